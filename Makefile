@@ -1,0 +1,62 @@
+# vramshare developer entry points. `make test` and `make demo` set up everything from nothing.
+SHELL := bash
+.SHELLFLAGS := -euo pipefail -c
+.DEFAULT_GOAL := help
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# The virtualenv is rebuilt when pyproject.toml changes.
+VENV_STAMP := $(VENV)/.installed-$(shell sha256sum pyproject.toml | cut -c1-12)
+
+.PHONY: help
+help: ## List the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-18s %s\n", $$1, $$2}'
+
+$(VENV_STAMP): pyproject.toml
+	@echo "[vramshare] setting up $(VENV) (Python dependencies)"
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@$(BIN)/pip install --quiet --disable-pip-version-check --upgrade pip
+	@$(BIN)/pip install --quiet --disable-pip-version-check -e '.[dev]'
+	@rm -f $(VENV)/.installed-* && touch $@
+
+.PHONY: venv
+venv: $(VENV_STAMP) ## Create the virtualenv and install vramshare with its dev tools
+
+.PHONY: tools
+tools: ## Build (once, cached) etcd, Kubernetes, kwok and helm from their Go modules
+	@bash e2e/tools/build.sh >/dev/null
+
+.PHONY: lint
+lint: venv ## ruff (lint and format check)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+.PHONY: typecheck
+typecheck: venv ## mypy --strict
+	$(BIN)/mypy
+
+.PHONY: contracts
+contracts: venv ## import-linter: the domain stays pure
+	$(BIN)/lint-imports
+
+.PHONY: unit
+unit: venv ## Fast tests: no I/O
+	$(BIN)/pytest tests/unit
+
+.PHONY: test
+test: venv tools lint typecheck contracts ## Everything: lint, types, contracts, unit, integration, e2e
+	$(BIN)/pytest
+
+.PHONY: cluster
+cluster: venv tools ## Run the local control plane in the foreground (Ctrl-C stops it)
+	$(BIN)/python -m vramshare_e2e.cluster
+
+.PHONY: fmt
+fmt: venv ## Format the code
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+.PHONY: clean
+clean: ## Remove the virtualenv and caches in the repo (the built tools cache stays)
+	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache .hypothesis .import_linter_cache

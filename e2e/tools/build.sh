@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# Builds the local control plane's binaries (etcd, kube-apiserver, kube-controller-manager,
+# kube-scheduler, kubectl, kwok, helm) from their Go modules, pinned by the wrapper modules beside
+# this script, into a cache outside the repository keyed by the wrapper's go.mod/go.sum and the Go
+# version. A warm cache makes this a no-op; a cold one builds once, printing progress.
+#
+# Usage: e2e/tools/build.sh [tool...]   (tools: kubernetes etcd kwok helm; default: all)
+# Prints nothing on stdout but the bin directory on its last line, so callers can capture it.
+set -euo pipefail
+
+here=$(cd "$(dirname "$0")" && pwd)
+cache_root=${VRAMSHARE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/vramshare}
+bin_dir="$cache_root/bin"
+export GOTOOLCHAIN=local GOFLAGS=-mod=mod
+go_version=$(go env GOVERSION)
+
+log() { printf '[vramshare build] %s\n' "$*" >&2; }
+
+# The version a wrapper pins, read from its require line.
+pinned() { awk -v m="$2" '$1 == m || ($1 == "require" && $2 == m) {print $NF; exit}' "$here/$1/go.mod"; }
+
+build_one() {
+  local tool=$1 ldflags="" packages=() outputs=()
+  local key
+  key=$(cat "$here/$tool/go.mod" "$here/$tool/go.sum" | sha256sum | cut -c1-12)
+  local stamp="$bin_dir/.$tool-$go_version-$key"
+  case $tool in
+    kubernetes)
+      local v; v=$(pinned kubernetes k8s.io/kubernetes)
+      local minor; minor=$(echo "$v" | cut -d. -f2)
+      # Version stamps so `kubectl version` and discovery report the real release.
+      for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
+        ldflags+=" -X $pkg.gitVersion=$v -X $pkg.gitMajor=1 -X $pkg.gitMinor=$minor -X $pkg.gitTreeState=clean"
+      done
+      packages=(k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager
+                k8s.io/kubernetes/cmd/kube-scheduler k8s.io/kubernetes/cmd/kubectl)
+      outputs=(kube-apiserver kube-controller-manager kube-scheduler kubectl);;
+    etcd)
+      packages=(go.etcd.io/etcd/server/v3); outputs=(etcd);;
+    kwok)
+      packages=(sigs.k8s.io/kwok/cmd/kwok); outputs=(kwok);;
+    helm)
+      local kv; kv=$(pinned kubernetes k8s.io/kubernetes)
+      # helm defaults its capabilities to an old Kubernetes; report the one we run.
+      ldflags="-X helm.sh/helm/v3/pkg/chartutil.k8sVersionMajor=1 -X helm.sh/helm/v3/pkg/chartutil.k8sVersionMinor=$(echo "$kv" | cut -d. -f2)"
+      ldflags+=" -X helm.sh/helm/v3/internal/version.version=$(pinned helm helm.sh/helm/v3)"
+      packages=(helm.sh/helm/v3/cmd/helm); outputs=(helm);;
+    *) log "unknown tool: $tool"; exit 2;;
+  esac
+  local all_there=1
+  for o in "${outputs[@]}"; do [[ -x "$bin_dir/$o" ]] || all_there=0; done
+  if [[ -f "$stamp" && $all_there == 1 ]]; then
+    return 0
+  fi
+  log "building $tool (${outputs[*]}) with $go_version; the first build takes minutes, later runs reuse $bin_dir"
+  local start=$SECONDS tmp
+  tmp=$(mktemp -d "$cache_root/.build-$tool.XXXX")
+  # -v names every package as it is compiled: count them for a progress line.
+  (cd "$here/$tool" && go build -v -trimpath -ldflags "-s -w $ldflags" -o "$tmp/" "${packages[@]}") 2>&1 |
+    awk -v t="$tool" '/^(go: |#|.*error)/ {print > "/dev/stderr"; next}
+                      {n++; if (n % 200 == 0) printf "[vramshare build] %s: %d packages compiled\n", t, n > "/dev/stderr"}'
+  if [[ ${PIPESTATUS[0]} != 0 ]]; then log "building $tool failed"; exit 1; fi
+  if [[ $tool == etcd ]]; then mv "$tmp/server" "$tmp/etcd"; fi
+  for o in "${outputs[@]}"; do mv -f "$tmp/$o" "$bin_dir/$o"; done
+  rm -rf "$tmp"
+  rm -f "$bin_dir/.$tool-"*
+  touch "$stamp"
+  log "built $tool in $((SECONDS - start)) s"
+}
+
+mkdir -p "$bin_dir"
+tools=("$@")
+[[ ${#tools[@]} -gt 0 ]] || tools=(etcd kubernetes kwok helm)
+for t in "${tools[@]}"; do build_one "$t"; done
+echo "$bin_dir"

@@ -1,0 +1,54 @@
+"""The pure domain of vramshare: models, headroom arithmetic, allocation policy, reservation lifecycle.
+
+Nothing in this package performs I/O, reads a clock or imports kopf, aiohttp, kubernetes or structlog;
+an import-linter contract in pyproject.toml keeps it that way.
+"""
+
+from vramshare.domain.allocation import (
+    AllocationSettings,
+    Choice,
+    Exclusion,
+    GpuVerdict,
+    Policy,
+    Refusal,
+    StaleGpuMode,
+    choose,
+)
+from vramshare.domain.headroom import Headroom, headroom, is_unseen
+from vramshare.domain.lifecycle import PodState, Transition, due_for_cleanup, next_phase
+from vramshare.domain.messages import describe_verdict, refusal_message
+from vramshare.domain.models import AllocationRequest, Gpu, Reservation, ReservationPhase
+from vramshare.domain.request import (
+    DEFAULT_ANNOTATION,
+    DEFAULT_MAX_MIB,
+    InvalidRequestError,
+    parse_memory_request,
+)
+
+__all__ = [
+    "DEFAULT_ANNOTATION",
+    "DEFAULT_MAX_MIB",
+    "AllocationRequest",
+    "AllocationSettings",
+    "Choice",
+    "Exclusion",
+    "Gpu",
+    "GpuVerdict",
+    "Headroom",
+    "InvalidRequestError",
+    "PodState",
+    "Policy",
+    "Refusal",
+    "Reservation",
+    "ReservationPhase",
+    "StaleGpuMode",
+    "Transition",
+    "choose",
+    "describe_verdict",
+    "due_for_cleanup",
+    "headroom",
+    "is_unseen",
+    "next_phase",
+    "parse_memory_request",
+    "refusal_message",
+]

@@ -1,0 +1,159 @@
+"""Choosing a GPU for a request: a choice, or a refusal that explains every GPU.
+
+`choose()` is the whole decision. It sees the inventory and the ledger as values and a `now` handed in
+by the caller; the webhook commits the result atomically afterwards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+
+from vramshare.domain.headroom import Headroom, headroom
+from vramshare.domain.models import AllocationRequest, Gpu, Reservation
+
+
+class Policy(StrEnum):
+    """Which fitting GPU to take."""
+
+    SPREAD = "spread"
+    """The most headroom (least loaded): pods interfere less; Kaapana's choice."""
+    BINPACK = "binpack"
+    """The least headroom that still fits (best fit): keeps large holes free for large pods."""
+
+
+class StaleGpuMode(StrEnum):
+    """What to do with a GPU whose latest sample is older than the maximum age."""
+
+    REFUSE = "refuse"
+    """Exclude it until fresh metrics arrive."""
+    LEDGER_ONLY = "ledger-only"
+    """Judge it by reservations alone against its last known total."""
+
+
+class Exclusion(StrEnum):
+    """Why a GPU was not chosen."""
+
+    TOO_SMALL = "too-small"
+    STALE = "stale-metrics"
+    MISSING = "missing"
+    UNHEALTHY = "unhealthy"
+    OTHER_NODE = "other-node"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AllocationSettings:
+    """How `choose()` judges GPUs."""
+
+    policy: Policy = Policy.SPREAD
+    safety_margin_mib: int = 512
+    """Kept free on every GPU for CUDA contexts and usage the ledger cannot see."""
+    settle_s: float = 60.0
+    """How long a pod must have been running before its memory use is trusted to show in a sample."""
+    max_sample_age_s: float = 120.0
+    """A GPU whose latest sample is older than this is stale."""
+    stale_mode: StaleGpuMode = StaleGpuMode.REFUSE
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GpuVerdict:
+    """How one GPU fared for one request."""
+
+    gpu: Gpu
+    headroom: Headroom | None
+    """None when the GPU was excluded before its headroom mattered (missing, other node, ...)."""
+    excluded: Exclusion | None
+    sample_age_s: float
+
+    @property
+    def fits(self) -> bool:
+        return self.excluded is None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Choice:
+    request: AllocationRequest
+    gpu: Gpu
+    headroom: Headroom
+    """The chosen GPU's headroom before this request."""
+    verdicts: tuple[GpuVerdict, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Refusal:
+    request: AllocationRequest
+    verdicts: tuple[GpuVerdict, ...]
+    """One per GPU in the inventory, in a stable order."""
+
+    @property
+    def best_headroom_mib(self) -> int | None:
+        """The largest headroom among GPUs that could have taken a smaller request."""
+        rooms = [
+            v.headroom.headroom_mib
+            for v in self.verdicts
+            if v.headroom is not None and v.excluded in (None, Exclusion.TOO_SMALL)
+        ]
+        return max(rooms, default=None)
+
+
+def _judge(
+    gpu: Gpu,
+    request: AllocationRequest,
+    reservations: Sequence[Reservation],
+    *,
+    settings: AllocationSettings,
+    now: float,
+) -> GpuVerdict:
+    age = max(0.0, now - gpu.sampled_at)
+
+    def verdict(excluded: Exclusion | None, room: Headroom | None = None) -> GpuVerdict:
+        return GpuVerdict(gpu=gpu, headroom=room, excluded=excluded, sample_age_s=age)
+
+    if request.node is not None and gpu.node != request.node:
+        return verdict(Exclusion.OTHER_NODE)
+    if gpu.missing:
+        return verdict(Exclusion.MISSING)
+    if not gpu.healthy:
+        return verdict(Exclusion.UNHEALTHY)
+    stale = age > settings.max_sample_age_s
+    if stale and settings.stale_mode is StaleGpuMode.REFUSE:
+        return verdict(Exclusion.STALE)
+    room = headroom(
+        gpu,
+        reservations,
+        settle_s=settings.settle_s,
+        safety_margin_mib=settings.safety_margin_mib,
+        ledger_only=stale,
+    )
+    return verdict(None if room.headroom_mib >= request.mib else Exclusion.TOO_SMALL, room)
+
+
+def _gpu_order(gpu: Gpu) -> tuple[str, int, str]:
+    return (gpu.node, gpu.index, gpu.uuid)
+
+
+def choose(
+    request: AllocationRequest,
+    gpus: Iterable[Gpu],
+    reservations: Iterable[Reservation],
+    *,
+    settings: AllocationSettings,
+    now: float,
+) -> Choice | Refusal:
+    """Pick a GPU for `request` by `settings.policy`, or refuse with a verdict for every GPU.
+
+    Ties are broken by node name, then index, then UUID, so the same inputs always give the same
+    answer (replicas agree, tests are stable).
+    """
+    active = [r for r in reservations if r.is_active]
+    verdicts = tuple(
+        _judge(gpu, request, active, settings=settings, now=now) for gpu in sorted(gpus, key=_gpu_order)
+    )
+    fitting = [v for v in verdicts if v.fits and v.headroom is not None]
+    if not fitting:
+        return Refusal(request=request, verdicts=verdicts)
+    sign = -1 if settings.policy is Policy.SPREAD else 1
+    best = min(fitting, key=lambda v: (sign * v.headroom.headroom_mib, *_gpu_order(v.gpu)))  # type: ignore[union-attr]
+    assert best.headroom is not None
+    return Choice(request=request, gpu=best.gpu, headroom=best.headroom, verdicts=verdicts)

@@ -1,0 +1,76 @@
+"""How much memory a GPU can still promise to a new pod.
+
+    headroom = min(free_live - R_unseen, total - R_all) - safety_margin
+
+- `R_all`: memory of every active reservation on the GPU.
+- `R_unseen`: the part of `R_all` whose usage cannot show in the sample yet, because its pod had not
+  been running for at least `settle_s` seconds when DCGM took the sample (not started, or still
+  loading its model). A pod that has settled is already counted in `used`, so subtracting it again from
+  `free` (Kaapana's "free minus reserved") would double-count it.
+- `total - R_all` caps the promise by the ledger alone, so a pod that uses less than it asked never
+  lets the GPU be promised beyond its size, and a sample older than a reservation is never trusted.
+
+A GPU whose sample is too old to trust can, by setting, be judged by the ledger alone:
+`headroom = total - R_all - safety_margin`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from vramshare.domain.models import Gpu, Reservation
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Headroom:
+    """A GPU's headroom with the terms it came from, for status fields and messages."""
+
+    gpu_uuid: str
+    total_mib: int
+    free_mib: int
+    reserved_mib: int
+    """R_all: every active reservation on the GPU."""
+    unseen_mib: int
+    """R_unseen: reservations whose usage the sample cannot show yet."""
+    safety_margin_mib: int
+    headroom_mib: int
+    ledger_only: bool = False
+    """True when the live sample was ignored (stale) and only the ledger counted."""
+
+
+def is_unseen(reservation: Reservation, *, sampled_at: float, settle_s: float) -> bool:
+    """True when the reservation's usage cannot be in a sample taken at `sampled_at`."""
+    started = reservation.pod_running_since
+    return started is None or started + settle_s > sampled_at
+
+
+def headroom(
+    gpu: Gpu,
+    reservations: Iterable[Reservation],
+    *,
+    settle_s: float,
+    safety_margin_mib: int,
+    ledger_only: bool = False,
+) -> Headroom:
+    """The headroom of `gpu`, counting only the active reservations on it among `reservations`."""
+    reserved = 0
+    unseen = 0
+    for r in reservations:
+        if r.gpu_uuid != gpu.uuid or not r.is_active:
+            continue
+        reserved += r.mib
+        if is_unseen(r, sampled_at=gpu.sampled_at, settle_s=settle_s):
+            unseen += r.mib
+    by_ledger = gpu.total_mib - reserved
+    room = by_ledger if ledger_only else min(gpu.free_mib - unseen, by_ledger)
+    return Headroom(
+        gpu_uuid=gpu.uuid,
+        total_mib=gpu.total_mib,
+        free_mib=gpu.free_mib,
+        reserved_mib=reserved,
+        unseen_mib=unseen,
+        safety_margin_mib=safety_margin_mib,
+        headroom_mib=room - safety_margin_mib,
+        ledger_only=ledger_only,
+    )

@@ -1,0 +1,91 @@
+"""The nouns of vramshare: GPUs as DCGM last saw them, reservations, and what a pod asks for.
+
+Everything here is an immutable value. Times are Unix seconds (floats) handed in by the caller, so the
+domain never reads a clock and every decision can be replayed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+class ReservationPhase(StrEnum):
+    """Where a reservation is in its life; see `vramshare.domain.lifecycle`."""
+
+    RESERVED = "Reserved"  # the webhook committed it; its pod may not exist yet
+    BOUND = "Bound"  # its pod exists
+    RELEASED = "Released"  # its pod finished or was deleted
+    EXPIRED = "Expired"  # no pod appeared within the TTL
+    LOST = "Lost"  # its GPU disappeared from the inventory
+
+    @property
+    def is_active(self) -> bool:
+        """An active reservation holds memory on its GPU."""
+        return self in (ReservationPhase.RESERVED, ReservationPhase.BOUND)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Gpu:
+    """One physical GPU as the inventory knows it.
+
+    `total_mib = free_mib + used_mib + driver_reserved_mib`: DCGM has no total metric, and FB_RESERVED
+    (memory the driver keeps for itself) is missing on some exporter versions, in which case it is 0.
+    """
+
+    uuid: str
+    node: str
+    index: int
+    model: str
+    total_mib: int
+    used_mib: int
+    free_mib: int
+    sampled_at: float
+    """When DCGM took the sample (the sample's own timestamp, not when we read it)."""
+    healthy: bool = True
+    missing: bool = False
+    """The UUID has not been reported for a grace period (card removed or replaced, node gone)."""
+
+    @property
+    def driver_reserved_mib(self) -> int:
+        return max(0, self.total_mib - self.used_mib - self.free_mib)
+
+    @property
+    def label(self) -> str:
+        """How messages name a GPU: its UUID with node and index, which people recognise."""
+        return f"{self.uuid} ({self.node}, index {self.index})"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Reservation:
+    """Memory booked on one GPU for one pod: the ledger entry behind a GpuReservation object."""
+
+    name: str
+    namespace: str
+    pod: str
+    """The pod's name, or its generateName prefix followed by '*' until the controller binds it."""
+    mib: int
+    node: str
+    gpu_uuid: str
+    gpu_index: int
+    phase: ReservationPhase
+    reserved_at: float
+    pod_running_since: float | None = None
+    """When its pod's containers started; None while the pod has not run."""
+    finished_at: float | None = None
+
+    @property
+    def is_active(self) -> bool:
+        return self.phase.is_active
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AllocationRequest:
+    """What a pod asks for at admission."""
+
+    mib: int
+    namespace: str
+    pod: str
+    """The pod's name (or generateName prefix) for messages."""
+    node: str | None = None
+    """Set when the pod is already pinned to a node: only that node's GPUs are candidates."""

@@ -1,0 +1,189 @@
+"""Invariants of headroom and allocation, checked over generated fleets and ledgers."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.unit.domain.builders import NOW
+from vramshare.domain import (
+    AllocationRequest,
+    AllocationSettings,
+    Choice,
+    Exclusion,
+    Gpu,
+    Policy,
+    Refusal,
+    Reservation,
+    ReservationPhase,
+    StaleGpuMode,
+    choose,
+    headroom,
+)
+
+UUIDS = [f"GPU-{i}" for i in range(6)]
+
+
+@st.composite
+def gpus(draw: st.DrawFn) -> Gpu:
+    total = draw(st.integers(1_024, 200_000))
+    used = draw(st.integers(0, total))
+    driver = draw(st.integers(0, total - used))
+    return Gpu(
+        uuid=draw(st.sampled_from(UUIDS)),
+        node=draw(st.sampled_from(["node-a", "node-b"])),
+        index=draw(st.integers(0, 7)),
+        model="fake",
+        total_mib=total,
+        used_mib=used,
+        free_mib=total - used - driver,
+        sampled_at=NOW - draw(st.floats(0, 600)),
+        healthy=draw(st.booleans()) or draw(st.booleans()),
+        missing=draw(st.integers(0, 9)) == 0,
+    )
+
+
+@st.composite
+def reservations(draw: st.DrawFn) -> Reservation:
+    started = draw(st.none() | st.floats(NOW - 1_000, NOW))
+    return Reservation(
+        name=f"r-{draw(st.integers(0, 10**6))}",
+        namespace="ns",
+        pod="p",
+        mib=draw(st.integers(1, 60_000)),
+        node="node-a",
+        gpu_uuid=draw(st.sampled_from(UUIDS)),
+        gpu_index=0,
+        phase=draw(st.sampled_from(list(ReservationPhase))),
+        reserved_at=NOW - 1_000,
+        pod_running_since=started,
+    )
+
+
+def fleet() -> st.SearchStrategy[list[Gpu]]:
+    return st.lists(gpus(), max_size=6, unique_by=lambda g: g.uuid)
+
+
+allocation_settings = st.builds(
+    AllocationSettings,
+    policy=st.sampled_from(list(Policy)),
+    safety_margin_mib=st.integers(0, 2_048),
+    settle_s=st.floats(0, 300),
+    max_sample_age_s=st.floats(1, 600),
+    stale_mode=st.sampled_from(list(StaleGpuMode)),
+)
+requests = st.builds(
+    AllocationRequest,
+    mib=st.integers(1, 100_000),
+    namespace=st.just("ns"),
+    pod=st.just("p"),
+    node=st.none() | st.sampled_from(["node-a", "node-b"]),
+)
+
+
+@given(
+    gpu=gpus(),
+    ledger=st.lists(reservations(), max_size=12),
+    settle=st.floats(0, 300),
+    margin=st.integers(0, 2_048),
+)
+def test_headroom_never_exceeds_either_bound(
+    gpu: Gpu, ledger: list[Reservation], settle: float, margin: int
+) -> None:
+    room = headroom(gpu, ledger, settle_s=settle, safety_margin_mib=margin)
+    r_all = sum(r.mib for r in ledger if r.is_active and r.gpu_uuid == gpu.uuid)
+    assert room.reserved_mib == r_all
+    assert 0 <= room.unseen_mib <= r_all
+    assert room.headroom_mib <= gpu.total_mib - r_all - margin
+    assert room.headroom_mib <= gpu.free_mib - room.unseen_mib - margin
+
+
+@given(
+    gpu=gpus(),
+    ledger=st.lists(reservations(), max_size=12),
+    extra=reservations(),
+    settle=st.floats(0, 300),
+    ledger_only=st.booleans(),
+)
+def test_adding_a_reservation_never_increases_headroom(
+    gpu: Gpu, ledger: list[Reservation], extra: Reservation, settle: float, ledger_only: bool
+) -> None:
+    before = headroom(gpu, ledger, settle_s=settle, safety_margin_mib=0, ledger_only=ledger_only)
+    after = headroom(gpu, [*ledger, extra], settle_s=settle, safety_margin_mib=0, ledger_only=ledger_only)
+    assert after.headroom_mib <= before.headroom_mib
+
+
+@settings(max_examples=300)
+@given(
+    request=requests, fleet=fleet(), ledger=st.lists(reservations(), max_size=12), config=allocation_settings
+)
+def test_choice_fits_and_follows_the_policy(
+    request: AllocationRequest, fleet: list[Gpu], ledger: list[Reservation], config: AllocationSettings
+) -> None:
+    decision = choose(request, fleet, ledger, settings=config, now=NOW)
+    # Every GPU gets exactly one verdict, in either outcome.
+    assert sorted(v.gpu.uuid for v in decision.verdicts) == sorted(g.uuid for g in fleet)
+    fitting = [v.headroom.headroom_mib for v in decision.verdicts if v.fits and v.headroom]
+    if isinstance(decision, Choice):
+        assert decision.headroom.headroom_mib >= request.mib
+        assert not decision.gpu.missing
+        assert decision.gpu.healthy
+        if request.node is not None:
+            assert decision.gpu.node == request.node
+        expected = max(fitting) if config.policy is Policy.SPREAD else min(fitting)
+        assert decision.headroom.headroom_mib == expected
+    else:
+        assert isinstance(decision, Refusal)
+        assert fitting == []
+        for v in decision.verdicts:
+            assert v.excluded is not None
+            if v.excluded is Exclusion.TOO_SMALL:
+                assert v.headroom is not None
+                assert v.headroom.headroom_mib < request.mib
+
+
+@given(
+    request=requests, fleet=fleet(), ledger=st.lists(reservations(), max_size=12), config=allocation_settings
+)
+def test_choose_is_deterministic_under_reordering(
+    request: AllocationRequest, fleet: list[Gpu], ledger: list[Reservation], config: AllocationSettings
+) -> None:
+    a = choose(request, fleet, ledger, settings=config, now=NOW)
+    b = choose(request, list(reversed(fleet)), list(reversed(ledger)), settings=config, now=NOW)
+    assert type(a) is type(b)
+    if isinstance(a, Choice) and isinstance(b, Choice):
+        assert a.gpu.uuid == b.gpu.uuid
+
+
+@settings(max_examples=200)
+@given(
+    fleet=fleet(), sizes=st.lists(st.integers(1, 30_000), min_size=1, max_size=30), config=allocation_settings
+)
+def test_admitting_one_after_another_never_overbooks_a_gpu(
+    fleet: list[Gpu], sizes: list[int], config: AllocationSettings
+) -> None:
+    """Replaying admissions through choose(), the ledger stays within total - margin on every GPU."""
+    ledger: list[Reservation] = []
+    for i, mib in enumerate(sizes):
+        req = AllocationRequest(mib=mib, namespace="ns", pod=f"p{i}")
+        decision = choose(req, fleet, ledger, settings=config, now=NOW)
+        if isinstance(decision, Choice):
+            ledger.append(
+                Reservation(
+                    name=f"r{i}",
+                    namespace="ns",
+                    pod=f"p{i}",
+                    mib=mib,
+                    node=decision.gpu.node,
+                    gpu_uuid=decision.gpu.uuid,
+                    gpu_index=decision.gpu.index,
+                    phase=ReservationPhase.RESERVED,
+                    reserved_at=NOW,
+                )
+            )
+    for gpu in fleet:
+        booked = sum(r.mib for r in ledger if r.gpu_uuid == gpu.uuid)
+        assert booked <= max(0, gpu.total_mib - config.safety_margin_mib)
+        # Fresh metrics: nothing unseen may exceed the live free memory either.
+        if booked and NOW - gpu.sampled_at <= config.max_sample_age_s:
+            assert booked <= gpu.free_mib - config.safety_margin_mib

@@ -1,0 +1,1 @@
+"""The vramshare mutating admission webhook (aiohttp, TLS)."""
