@@ -17,12 +17,13 @@ go_version=$(go env GOVERSION)
 log() { printf '[vramshare build] %s\n' "$*" >&2; }
 
 # The version a wrapper pins, read from its require line.
-pinned() { awk -v m="$2" '$1 == m || ($1 == "require" && $2 == m) {print $NF; exit}' "$here/$1/go.mod"; }
+pinned() { awk -v m="$2" '$1 == m {print $2; exit} $1 == "require" && $2 == m {print $3; exit}' "$here/$1/go.mod"; }
 
 build_one() {
   local tool=$1 ldflags="" packages=() outputs=()
   local key
-  key=$(cat "$here/$tool/go.mod" "$here/$tool/go.sum" | sha256sum | cut -c1-12)
+  # Keyed by what decides the binary: the pinned modules and this script's flags.
+  key=$(cat "$here/$tool/go.mod" "$here/$tool/go.sum" "$0" | sha256sum | cut -c1-12)
   local stamp="$bin_dir/.$tool-$go_version-$key"
   case $tool in
     kubernetes)
@@ -57,7 +58,7 @@ build_one() {
   tmp=$(mktemp -d "$cache_root/.build-$tool.XXXX")
   # -v names every package as it is compiled: count them for a progress line.
   (cd "$here/$tool" && go build -v -trimpath -ldflags "-s -w $ldflags" -o "$tmp/" "${packages[@]}") 2>&1 |
-    awk -v t="$tool" '/^(go: |#|.*error)/ {print > "/dev/stderr"; next}
+    awk -v t="$tool" '/^(go: |# )|\.go:[0-9]+/ {print > "/dev/stderr"; next}
                       {n++; if (n % 200 == 0) printf "[vramshare build] %s: %d packages compiled\n", t, n > "/dev/stderr"}'
   if [[ ${PIPESTATUS[0]} != 0 ]]; then log "building $tool failed"; exit 1; fi
   if [[ $tool == etcd ]]; then mv "$tmp/server" "$tmp/etcd"; fi

@@ -1,0 +1,268 @@
+"""A DCGM-compatible exporter for a fake GPU fleet, with a control API for tests.
+
+It serves the framebuffer gauges of NVIDIA's dcgm-exporter with the same names and labels
+(`DCGM_FI_DEV_FB_FREE`, `DCGM_FI_DEV_FB_USED`, `DCGM_FI_DEV_FB_RESERVED`; `gpu`, `UUID`,
+`pci_bus_id`, `device`, `modelName`, `Hostname`, `DCGM_FI_DRIVER_VERSION`), so Prometheus and the
+controller read it exactly as they read the real one.
+
+Control API (JSON), used by tests and the demo:
+
+    GET    /fleet                          the fleet as JSON
+    PUT    /gpus/{uuid}        {"used_mib": N}   set a GPU's used memory
+    DELETE /gpus/{uuid}                    remove a GPU (card pulled, node gone)
+    POST   /gpus/{uuid}/replace {"uuid": "GPU-..."}  the card is replaced: same slot, new UUID
+
+Every change is written back to the fleet file, so a stopped and restarted exporter keeps its state.
+
+With `--nvml` it instead reads real GPUs through NVML (`nvidia-ml-py`), so on a machine with an NVIDIA
+GPU it doubles as a minimal DCGM-compatible exporter.
+
+    python -m vramshare_e2e.fake_dcgm --fleet fleet.json --port 9400
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import urllib.request
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from vramshare_e2e.fleet import Fleet
+
+_HELP = {
+    "DCGM_FI_DEV_FB_FREE": "Framebuffer memory free (in MiB).",
+    "DCGM_FI_DEV_FB_USED": "Framebuffer memory used (in MiB).",
+    "DCGM_FI_DEV_FB_RESERVED": "Framebuffer memory reserved (in MiB).",
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class GpuReading:
+    """One GPU's framebuffer figures and identity, whatever they were read from."""
+
+    index: int
+    uuid: str
+    pci_bus_id: str
+    model: str
+    hostname: str
+    driver_version: str
+    free_mib: int
+    used_mib: int
+    reserved_mib: int | None
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def render_metrics(readings: Iterable[GpuReading]) -> str:
+    """The Prometheus text exposition dcgm-exporter would serve for these readings."""
+    readings = list(readings)
+    lines: list[str] = []
+    for metric, help_text in _HELP.items():
+        lines += [f"# HELP {metric} {help_text}", f"# TYPE {metric} gauge"]
+        for r in readings:
+            value = {
+                "DCGM_FI_DEV_FB_FREE": r.free_mib,
+                "DCGM_FI_DEV_FB_USED": r.used_mib,
+                "DCGM_FI_DEV_FB_RESERVED": r.reserved_mib,
+            }[metric]
+            if value is None:
+                continue
+            labels = {
+                "gpu": str(r.index),
+                "UUID": r.uuid,
+                "pci_bus_id": r.pci_bus_id,
+                "device": f"nvidia{r.index}",
+                "modelName": r.model,
+                "Hostname": r.hostname,
+                "DCGM_FI_DRIVER_VERSION": r.driver_version,
+            }
+            text = ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items())
+            lines.append(f"{metric}{{{text}}} {value}")
+    return "\n".join(lines) + "\n"
+
+
+def fleet_readings(fleet: Fleet) -> list[GpuReading]:
+    return [
+        GpuReading(
+            index=gpu.index,
+            uuid=gpu.uuid,
+            pci_bus_id=gpu.pci_bus_id,
+            model=gpu.model,
+            hostname=node.name,
+            driver_version=fleet.driver_version,
+            free_mib=gpu.free_mib,
+            used_mib=gpu.used_mib,
+            reserved_mib=gpu.driver_reserved_mib if fleet.report_driver_reserved else None,
+        )
+        for node, gpu in fleet.all_gpus()
+    ]
+
+
+def nvml_readings(hostname: str) -> list[GpuReading]:  # pragma: no cover - needs a real GPU
+    """Real framebuffer figures through NVML, in MiB as DCGM reports them."""
+    import pynvml  # type: ignore[import-not-found]  # optional extra: vramshare[nvml]
+
+    pynvml.nvmlInit()
+    try:
+        driver = pynvml.nvmlSystemGetDriverVersion()
+        readings = []
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+            try:
+                mem = pynvml.nvmlDeviceGetMemoryInfo(handle, version=pynvml.nvmlMemory_v2)
+                reserved: int | None = mem.reserved // 2**20
+            except (pynvml.NVMLError, AttributeError, TypeError):
+                mem = pynvml.nvmlDeviceGetMemoryInfo(handle)
+                reserved = None
+            readings.append(
+                GpuReading(
+                    index=i,
+                    uuid=_text(pynvml.nvmlDeviceGetUUID(handle)),
+                    pci_bus_id=_text(pynvml.nvmlDeviceGetPciInfo(handle).busId),
+                    model=_text(pynvml.nvmlDeviceGetName(handle)),
+                    hostname=hostname,
+                    driver_version=_text(driver),
+                    free_mib=mem.free // 2**20,
+                    used_mib=mem.used // 2**20,
+                    reserved_mib=reserved,
+                )
+            )
+        return readings
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+FLEET_KEY = web.AppKey("fleet_path", Path)
+
+
+def create_app(
+    *, fleet_path: Path | None, read: Callable[[], list[GpuReading]] | None = None
+) -> web.Application:
+    """The exporter: `/metrics` from the fleet file (or from `read`, e.g. NVML) plus the control API."""
+    app = web.Application()
+
+    def load() -> Fleet:
+        assert fleet_path is not None
+        return Fleet.load(fleet_path)
+
+    async def metrics(_: web.Request) -> web.Response:
+        readings = read() if read is not None else fleet_readings(load())
+        return web.Response(text=render_metrics(readings), content_type="text/plain", charset="utf-8")
+
+    async def get_fleet(_: web.Request) -> web.Response:
+        return web.json_response(load().to_json())
+
+    def change(request: web.Request, mutate: Callable[[Fleet, str], None]) -> web.Response:
+        fleet = load()
+        uuid = request.match_info["uuid"]
+        try:
+            mutate(fleet, uuid)
+        except KeyError:
+            return web.json_response({"error": f"no GPU with UUID {uuid}"}, status=404)
+        except (TypeError, ValueError) as exc:
+            return web.json_response({"error": str(exc)}, status=400)
+        assert fleet_path is not None
+        fleet.save(fleet_path)
+        return web.json_response(fleet.to_json())
+
+    async def set_used(request: web.Request) -> web.Response:
+        body = await request.json()
+
+        def mutate(fleet: Fleet, uuid: str) -> None:
+            _, gpu = fleet.gpu(uuid)
+            used = int(body["used_mib"])
+            if not 0 <= used <= gpu.total_mib - gpu.driver_reserved_mib:
+                raise ValueError(f"used_mib must be between 0 and {gpu.total_mib - gpu.driver_reserved_mib}")
+            gpu.used_mib = used
+
+        return change(request, mutate)
+
+    async def remove(request: web.Request) -> web.Response:
+        def mutate(fleet: Fleet, uuid: str) -> None:
+            node, gpu = fleet.gpu(uuid)
+            node.gpus.remove(gpu)
+
+        return change(request, mutate)
+
+    async def replace(request: web.Request) -> web.Response:
+        body = await request.json()
+
+        def mutate(fleet: Fleet, uuid: str) -> None:
+            _, gpu = fleet.gpu(uuid)
+            gpu.uuid = str(body["uuid"])
+            gpu.used_mib = 0
+
+        return change(request, mutate)
+
+    app.router.add_get("/metrics", metrics)
+    if read is None:
+        app.router.add_get("/fleet", get_fleet)
+        app.router.add_put("/gpus/{uuid}", set_used)
+        app.router.add_delete("/gpus/{uuid}", remove)
+        app.router.add_post("/gpus/{uuid}/replace", replace)
+    return app
+
+
+class ExporterClient:
+    """Drives a running fake exporter's control API (synchronous, for tests and the demo)."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url.rstrip("/")
+
+    def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+        data = json.dumps(body).encode() if body is not None else None
+        req = urllib.request.Request(f"{self.url}{path}", data=data, method=method)
+        req.add_header("Content-Type", "application/json")
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return json.loads(resp.read())
+
+    def fleet(self) -> Fleet:
+        return Fleet.from_json(self._call("GET", "/fleet"))
+
+    def set_used(self, uuid: str, used_mib: int) -> None:
+        self._call("PUT", f"/gpus/{uuid}", {"used_mib": used_mib})
+
+    def remove_gpu(self, uuid: str) -> None:
+        self._call("DELETE", f"/gpus/{uuid}")
+
+    def replace_uuid(self, uuid: str, new_uuid: str) -> None:
+        self._call("POST", f"/gpus/{uuid}/replace", {"uuid": new_uuid})
+
+    def metrics_text(self) -> str:
+        with urllib.request.urlopen(f"{self.url}/metrics", timeout=10) as resp:
+            return str(resp.read().decode())
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--fleet", type=Path, help="fleet JSON file (state is written back to it)")
+    parser.add_argument("--nvml", action="store_true", help="read real GPUs through NVML instead of a fleet")
+    parser.add_argument("--hostname", default=socket.gethostname(), help="Hostname label in --nvml mode")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=9400)
+    args = parser.parse_args(argv)
+    if args.nvml:
+        app = create_app(fleet_path=None, read=lambda: nvml_readings(args.hostname))
+    elif args.fleet is not None:
+        app = create_app(fleet_path=args.fleet)
+    else:
+        parser.error("give --fleet FILE or --nvml")
+    web.run_app(app, host=args.host, port=args.port, print=None)
+
+
+if __name__ == "__main__":
+    main()
