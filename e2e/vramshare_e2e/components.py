@@ -1,0 +1,131 @@
+"""vramshare's own processes on the local control plane: webhook replicas, their registration, and a
+seeded GPU inventory for tests that run without the controller."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import ssl
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from vramshare.kube.resources import API_VERSION, device_name, format_time_precise
+from vramshare_e2e.cluster import Component, LocalCluster, _http_ok, free_port
+from vramshare_e2e.fleet import Fleet
+
+WEBHOOK_NAME = "gpu-mem.vramshare.io"
+
+
+def start_webhook(
+    cluster: LocalCluster, *, name: str, env: Mapping[str, str] | None = None, kubeconfig: Path | None = None
+) -> tuple[Component, int]:
+    """Start one webhook replica over TLS on a free port; returns it (a cluster component) and the port."""
+    port = free_port()
+    pair = cluster.ca.issue(
+        f"webhook-{name}",
+        common_name="vramshare-webhook",
+        server_ips=("127.0.0.1",),
+        server_names=("localhost",),
+    )
+    environment = {
+        **os.environ,
+        "VRAMSHARE_PORT": str(port),
+        "VRAMSHARE_HOST": "127.0.0.1",
+        "VRAMSHARE_TLS_CERT_FILE": str(pair.cert_path),
+        "VRAMSHARE_TLS_KEY_FILE": str(pair.key_path),
+        "VRAMSHARE_KUBECONFIG": str(kubeconfig or cluster.kubeconfig),
+        "PYTHONUNBUFFERED": "1",
+        **(env or {}),
+    }
+    ctx = ssl.create_default_context(cafile=str(cluster.ca.cert_path))
+    component = Component(
+        name=name,
+        argv=[sys.executable, "-m", "vramshare_webhook"],
+        log_path=cluster.logs_dir / f"{name}.log",
+        ready=lambda: _http_ok(f"https://127.0.0.1:{port}/readyz", context=ctx),
+        env=environment,
+    )
+    cluster.components[name] = component
+    cluster.start_component(name)
+    return component, port
+
+
+def webhook_configuration(
+    cluster: LocalCluster, *, ports: Mapping[str, int], annotation: str = "gpu-mem-mb", timeout_s: int = 10
+) -> dict[str, Any]:
+    """A MutatingWebhookConfiguration with one entry per shard: namespaces labelled
+    `vramshare-e2e/shard=<shard>` go to that shard's replica, so tests decide which replica answers."""
+    ca = base64.b64encode(cluster.ca.cert_pem).decode()
+    webhooks = []
+    for shard, port in ports.items():
+        webhooks.append(
+            {
+                "name": f"{shard}.{WEBHOOK_NAME}",
+                "admissionReviewVersions": ["v1"],
+                "sideEffects": "NoneOnDryRun",
+                "failurePolicy": "Fail",
+                "matchPolicy": "Equivalent",
+                "reinvocationPolicy": "IfNeeded",
+                "timeoutSeconds": timeout_s,
+                "clientConfig": {"url": f"https://127.0.0.1:{port}/mutate", "caBundle": ca},
+                "rules": [
+                    {
+                        "apiGroups": [""],
+                        "apiVersions": ["v1"],
+                        "operations": ["CREATE"],
+                        "resources": ["pods"],
+                        "scope": "Namespaced",
+                    }
+                ],
+                "namespaceSelector": {"matchLabels": {"vramshare-e2e/shard": shard}},
+            }
+        )
+    return {
+        "apiVersion": "admissionregistration.k8s.io/v1",
+        "kind": "MutatingWebhookConfiguration",
+        "metadata": {"name": "vramshare-e2e"},
+        "webhooks": webhooks,
+    }
+
+
+def seed_inventory(
+    cluster: LocalCluster, fleet: Fleet | None = None, *, sampled_at: float | None = None
+) -> None:
+    """Write one GpuDevice per fake GPU, as the controller would, from the fleet's current figures."""
+    fleet = fleet or cluster.exporter.fleet()
+    when = format_time_precise(sampled_at or time.time())
+    devices = []
+    for node, gpu in fleet.all_gpus():
+        devices.append(
+            {
+                "apiVersion": API_VERSION,
+                "kind": "GpuDevice",
+                "metadata": {"name": device_name(gpu.uuid)},
+                "spec": {"uuid": gpu.uuid, "nodeName": node.name, "index": gpu.index, "model": gpu.model},
+            }
+        )
+    cluster.apply_objects(devices)
+    for _, gpu in fleet.all_gpus():
+        status = {
+            "status": {
+                "totalMiB": gpu.total_mib,
+                "usedMiB": gpu.used_mib,
+                "freeMiB": gpu.free_mib,
+                "driverReservedMiB": gpu.driver_reserved_mib,
+                "sampledAt": when,
+                "state": "Ready",
+            }
+        }
+        cluster.kubectl(
+            "patch",
+            "gpudevice",
+            device_name(gpu.uuid),
+            "--subresource=status",
+            "--type=merge",
+            "-p",
+            json.dumps(status),
+        )

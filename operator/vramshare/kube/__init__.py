@@ -1,0 +1,1 @@
+"""Kubernetes adapters: an async REST client, vramshare's resources on the wire, the reservation ledger."""

@@ -1,0 +1,165 @@
+"""A thin asynchronous Kubernetes REST client on aiohttp.
+
+The official `kubernetes` package is used only to read the kubeconfig or the in-cluster service
+account; requests go through one shared aiohttp session so nothing blocks the event loop (the webhook
+sits in the pod-creation path). Objects are plain dicts, exactly as the API server sends them.
+"""
+
+from __future__ import annotations
+
+import json
+import ssl
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Self
+from urllib.parse import urlencode
+
+import aiohttp
+from kubernetes import config as kube_config
+from kubernetes.client import Configuration
+
+Obj = dict[str, Any]
+
+_TOKEN_REREAD_S = 60.0  # projected service-account tokens rotate; re-read the file this often
+
+
+class ApiError(Exception):
+    """A non-2xx answer from the API server."""
+
+    def __init__(self, *, status: int, reason: str, message: str, body: Obj | None = None) -> None:
+        super().__init__(f"{status} {reason}: {message}")
+        self.status = status
+        self.reason = reason
+        self.message = message
+        self.body = body or {}
+
+    @property
+    def conflict(self) -> bool:
+        return self.status == 409
+
+    @property
+    def not_found(self) -> bool:
+        return self.status == 404
+
+
+@dataclass(frozen=True, kw_only=True)
+class Connection:
+    """Where the API server is and how to authenticate to it."""
+
+    host: str
+    ssl_context: ssl.SSLContext
+    token: str | None = None
+    token_file: Path | None = None
+
+    @classmethod
+    def load(cls, *, kubeconfig: str | None = None) -> Self:
+        """From a kubeconfig file, else the in-cluster service account, else ~/.kube/config."""
+        configuration = Configuration()
+        if kubeconfig:
+            kube_config.load_kube_config(config_file=kubeconfig, client_configuration=configuration)
+        else:
+            try:
+                kube_config.load_incluster_config(client_configuration=configuration)
+            except kube_config.ConfigException:
+                kube_config.load_kube_config(client_configuration=configuration)
+        context = ssl.create_default_context(cafile=configuration.ssl_ca_cert)
+        if configuration.cert_file:
+            context.load_cert_chain(configuration.cert_file, configuration.key_file)
+        if not configuration.verify_ssl:
+            context.check_hostname = False
+            context.verify_mode = ssl.CERT_NONE
+        token = configuration.api_key.get("authorization")
+        token_file = Path("/var/run/secrets/kubernetes.io/serviceaccount/token")
+        return cls(
+            host=configuration.host.rstrip("/"),
+            ssl_context=context,
+            token=token.removeprefix("Bearer ") if token else None,
+            token_file=token_file if token and token_file.exists() else None,
+        )
+
+
+class KubeClient:
+    """Generic CRUD on API paths. Create with `async with KubeClient(connection) as kube:`."""
+
+    def __init__(
+        self, connection: Connection, *, timeout_s: float = 10.0, user_agent: str = "vramshare"
+    ) -> None:
+        self.connection = connection
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._user_agent = user_agent
+        self._session: aiohttp.ClientSession | None = None
+        self._token = connection.token
+        self._token_read_at = time.monotonic()
+
+    async def __aenter__(self) -> Self:
+        connector = aiohttp.TCPConnector(ssl=self.connection.ssl_context, limit=64)
+        self._session = aiohttp.ClientSession(connector=connector, timeout=self._timeout)
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def _headers(self, content_type: str | None = None) -> dict[str, str]:
+        headers = {"Accept": "application/json", "User-Agent": self._user_agent}
+        if content_type:
+            headers["Content-Type"] = content_type
+        file = self.connection.token_file
+        if file is not None and time.monotonic() - self._token_read_at > _TOKEN_REREAD_S:
+            self._token = file.read_text().strip()
+            self._token_read_at = time.monotonic()
+        if self._token:
+            headers["Authorization"] = f"Bearer {self._token}"
+        return headers
+
+    async def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        body: Any = None,
+        params: Mapping[str, str] | None = None,
+        content_type: str = "application/json",
+    ) -> Obj:
+        if self._session is None:
+            raise RuntimeError("KubeClient used outside 'async with'")
+        url = f"{self.connection.host}{path}"
+        if params:
+            url += "?" + urlencode(params)
+        data = None if body is None else json.dumps(body, separators=(",", ":"))
+        async with self._session.request(
+            method, url, data=data, headers=self._headers(content_type if data else None)
+        ) as resp:
+            text = await resp.text()
+            try:
+                payload: Obj = json.loads(text) if text else {}
+            except ValueError:
+                payload = {"message": text}
+            if resp.status >= 400:
+                raise ApiError(
+                    status=resp.status,
+                    reason=str(payload.get("reason", resp.reason)),
+                    message=str(payload.get("message", text))[:2000],
+                    body=payload,
+                )
+            return payload
+
+    async def get(self, path: str) -> Obj:
+        return await self.request("GET", path)
+
+    async def list(self, path: str, *, label_selector: str | None = None) -> Obj:
+        params = {"labelSelector": label_selector} if label_selector else None
+        return await self.request("GET", path, params=params)
+
+    async def create(self, path: str, obj: Obj, *, dry_run: bool = False) -> Obj:
+        return await self.request("POST", path, body=obj, params={"dryRun": "All"} if dry_run else None)
+
+    async def merge_patch(self, path: str, patch: Obj) -> Obj:
+        return await self.request("PATCH", path, body=patch, content_type="application/merge-patch+json")
+
+    async def delete(self, path: str, *, resource_version: str | None = None) -> Obj:
+        body = {"preconditions": {"resourceVersion": resource_version}} if resource_version else None
+        return await self.request("DELETE", path, body=body)

@@ -1,0 +1,103 @@
+"""The reservation ledger in the API server, with an atomic commit that holds across webhook replicas.
+
+Commit protocol (optimistic concurrency, no lock held anywhere):
+
+1. List GpuDevices, noting each one's resourceVersion (the GPU's *ledger token*).
+2. List GpuReservations. Every reservation committed before step 1 is in this list, because a commit
+   creates its reservation before it bumps the token.
+3. Decide with the pure domain.
+4. Create the GpuReservation, then bump the chosen GPU's token with a merge patch that carries the
+   resourceVersion from step 1 as a precondition.
+5. If the token moved (409 Conflict: another replica committed on that GPU, or new metrics arrived),
+   delete our reservation and start again from step 1.
+
+Any commit on a GPU between our steps 1 and 4 moves its token, so two admissions can never both
+succeed on a view that misses the other. A reservation left behind by a crash between steps 4 and 5
+has no pod and expires after the TTL; it can only make the GPU look fuller, never overbooked.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vramshare.domain import Gpu, Reservation
+from vramshare.kube.client import ApiError, KubeClient, Obj
+from vramshare.kube.resources import (
+    ANNOTATION_LEDGER,
+    device_name,
+    devices_path,
+    gpu_from_device,
+    reservation_from_object,
+    reservations_path,
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Snapshot:
+    """GPUs and reservations as one admission sees them, with the tokens needed to commit."""
+
+    gpus: tuple[Gpu, ...]
+    reservations: tuple[Reservation, ...]
+    tokens: dict[str, str]
+    """GPU UUID -> resourceVersion of its GpuDevice when listed."""
+
+
+class CommitConflictError(Exception):
+    """The GPU's ledger token moved since the snapshot: decide again on a fresh one."""
+
+
+class KubeLedger:
+    def __init__(self, kube: KubeClient) -> None:
+        self.kube = kube
+
+    async def snapshot(self) -> Snapshot:
+        devices = await self.kube.list(devices_path())
+        listed = await self.kube.list(reservations_path())  # strictly after the devices: see above
+        gpus, tokens = [], {}
+        for obj in devices.get("items", []):
+            gpu = gpu_from_device(obj)
+            if gpu is not None:
+                gpus.append(gpu)
+                tokens[gpu.uuid] = obj["metadata"]["resourceVersion"]
+        reservations = tuple(reservation_from_object(o) for o in listed.get("items", []))
+        return Snapshot(gpus=tuple(gpus), reservations=reservations, tokens=tokens)
+
+    async def get_reservation(self, namespace: str, name: str) -> Obj | None:
+        try:
+            return await self.kube.get(reservations_path(namespace, name))
+        except ApiError as exc:
+            if exc.not_found:
+                return None
+            raise
+
+    async def commit(self, *, reservation: Obj, gpu_uuid: str, token: str) -> Obj:
+        """Create `reservation` and bump the GPU's token; `CommitConflictError` when it moved."""
+        meta = reservation["metadata"]
+        created = await self.kube.create(reservations_path(meta["namespace"]), reservation)
+        try:
+            await self.kube.merge_patch(
+                devices_path(device_name(gpu_uuid)),
+                {
+                    "metadata": {
+                        "resourceVersion": token,
+                        "annotations": {ANNOTATION_LEDGER: f"{meta['namespace']}/{meta['name']}"},
+                    }
+                },
+            )
+        except ApiError as exc:
+            await self._withdraw(created)
+            if exc.conflict or exc.not_found:
+                raise CommitConflictError(f"GPU {gpu_uuid} changed while deciding") from exc
+            raise
+        except BaseException:
+            await self._withdraw(created)
+            raise
+        return created
+
+    async def _withdraw(self, created: Obj) -> None:
+        meta = created["metadata"]
+        try:
+            await self.kube.delete(reservations_path(meta["namespace"], meta["name"]))
+        except ApiError as exc:
+            if not exc.not_found:
+                raise

@@ -1,0 +1,246 @@
+"""The webhook end to end: the real API server calls two real webhook processes over TLS."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import re
+import ssl
+import time
+import urllib.request
+from collections import defaultdict
+from collections.abc import Iterator
+
+import pytest
+from kubernetes import client
+from kubernetes.client.rest import ApiException
+
+from vramshare.kube.resources import ANNOTATION_GPU_UUID, ANNOTATION_NODE, ANNOTATION_RESERVATION
+from vramshare_e2e.cluster import LocalCluster
+from vramshare_e2e.components import seed_inventory, start_webhook, webhook_configuration
+
+pytestmark = pytest.mark.cluster
+MARGIN = 512
+
+
+@pytest.fixture(scope="module")
+def webhooks(cluster: LocalCluster) -> Iterator[dict[str, int]]:
+    env = {"VRAMSHARE_SAFETY_MARGIN_MIB": str(MARGIN), "VRAMSHARE_LOG_LEVEL": "warning"}
+    ports = {shard: start_webhook(cluster, name=f"webhook-{shard}", env=env)[1] for shard in ("a", "b")}
+    seed_inventory(cluster)
+    cluster.apply_objects([webhook_configuration(cluster, ports=ports)])
+    yield ports
+    cluster.kubectl("delete", "mutatingwebhookconfiguration", "vramshare-e2e")
+    for shard in ports:
+        cluster.stop_component(f"webhook-{shard}")
+
+
+@pytest.fixture
+def gpu_namespace(core: client.CoreV1Api, namespace: str, webhooks: dict[str, int]) -> str:
+    core.patch_namespace(namespace, {"metadata": {"labels": {"vramshare-e2e/shard": "a"}}})
+    return namespace
+
+
+def gpu_pod(name: str, mib: str | None, **spec: object) -> client.V1Pod:
+    annotations = {"gpu-mem-mb": mib} if mib is not None else {}
+    return client.V1Pod(
+        metadata=client.V1ObjectMeta(name=name, annotations=annotations),
+        spec=client.V1PodSpec(
+            containers=[
+                client.V1Container(name="base", image="example.invalid/task:1", env=spec.pop("env", None))
+            ],
+            restart_policy="Never",
+            **spec,
+        ),
+    )
+
+
+def env_of(pod: client.V1Pod) -> dict[str, list[str]]:
+    values: dict[str, list[str]] = defaultdict(list)
+    for e in pod.spec.containers[0].env or []:
+        values[e.name].append(e.value)
+    return values
+
+
+def reservations(cluster: LocalCluster, namespace: str | None = None) -> list[dict]:
+    scope = ["-n", namespace] if namespace else ["-A"]
+    return json.loads(cluster.kubectl("get", "gpureservations", *scope, "-o", "json"))["items"]
+
+
+def test_annotated_pod_is_patched_reserved_and_scheduled_on_the_gpu_node(
+    cluster: LocalCluster, core: client.CoreV1Api, gpu_namespace: str
+) -> None:
+    created = core.create_namespaced_pod(gpu_namespace, gpu_pod("train", "20000"))
+    uuid = created.metadata.annotations[ANNOTATION_GPU_UUID]
+    node = created.metadata.annotations[ANNOTATION_NODE]
+    # spread: only the A100s (40 GiB) have 20000 MiB of headroom
+    assert node == "gpu-node-a"
+    assert env_of(created) == {"NVIDIA_VISIBLE_DEVICES": [uuid], "CUDA_VISIBLE_DEVICES": ["0"]}
+    (res,) = reservations(cluster, gpu_namespace)
+    assert res["metadata"]["name"] == created.metadata.annotations[ANNOTATION_RESERVATION]
+    assert res["spec"]["gpuUUID"] == uuid
+    assert res["spec"]["memoryMiB"] == 20000
+    deadline = time.monotonic() + 30
+    while (pod := core.read_namespaced_pod("train", gpu_namespace)).spec.node_name is None:
+        assert time.monotonic() < deadline, "pod was not scheduled"
+        time.sleep(0.2)
+    assert pod.spec.node_name == node
+
+
+def test_oversized_pod_is_refused_with_an_explaining_message(
+    cluster: LocalCluster, core: client.CoreV1Api, gpu_namespace: str
+) -> None:
+    with pytest.raises(ApiException) as refused:
+        core.create_namespaced_pod(gpu_namespace, gpu_pod("huge", "100000"))
+    assert refused.value.status == 403
+    message = json.loads(refused.value.body)["message"]
+    assert message.startswith('admission webhook "a.gpu-mem.vramshare.io" denied the request: no GPU has')
+    assert f"no GPU has 100000 MiB of headroom for pod {gpu_namespace}/huge" in message
+    assert "the most any GPU can give is" in message
+    assert "Airflow retries the task" in message
+    assert reservations(cluster, gpu_namespace) == []
+
+
+def test_invalid_annotation_is_refused_with_400(core: client.CoreV1Api, gpu_namespace: str) -> None:
+    with pytest.raises(ApiException) as refused:
+        core.create_namespaced_pod(gpu_namespace, gpu_pod("bad", "1.5"))
+    assert refused.value.status == 400
+    assert "annotation \"gpu-mem-mb\" has value '1.5'" in json.loads(refused.value.body)["message"]
+
+
+def test_pod_without_annotation_sees_no_gpu(core: client.CoreV1Api, gpu_namespace: str) -> None:
+    created = core.create_namespaced_pod(
+        gpu_namespace,
+        gpu_pod("cpu-only", None, env=[client.V1EnvVar(name="NVIDIA_VISIBLE_DEVICES", value="all")]),
+    )
+    assert env_of(created) == {"NVIDIA_VISIBLE_DEVICES": ["none"]}
+
+
+def test_spoofed_variables_and_annotations_are_overwritten(
+    cluster: LocalCluster, core: client.CoreV1Api, gpu_namespace: str
+) -> None:
+    spoof = gpu_pod(
+        "spoof",
+        "1000",
+        env=[
+            client.V1EnvVar(name="NVIDIA_VISIBLE_DEVICES", value="all"),
+            client.V1EnvVar(name="CUDA_VISIBLE_DEVICES", value="0,1,2"),
+            client.V1EnvVar(name="KEEP", value="me"),
+        ],
+    )
+    spoof.metadata.annotations.update(
+        {ANNOTATION_GPU_UUID: "GPU-mine", ANNOTATION_RESERVATION: "stolen", "vramshare.io/other": "x"}
+    )
+    created = core.create_namespaced_pod(gpu_namespace, spoof)
+    uuid = created.metadata.annotations[ANNOTATION_GPU_UUID]
+    assert uuid != "GPU-mine"
+    assert "vramshare.io/other" not in created.metadata.annotations
+    assert env_of(created) == {
+        "KEEP": ["me"],
+        "NVIDIA_VISIBLE_DEVICES": [uuid],
+        "CUDA_VISIBLE_DEVICES": ["0"],
+    }
+    (res,) = reservations(cluster, gpu_namespace)
+    assert res["metadata"]["name"] == created.metadata.annotations[ANNOTATION_RESERVATION] != "stolen"
+
+
+def test_dry_run_create_is_patched_but_reserves_nothing(
+    cluster: LocalCluster, core: client.CoreV1Api, gpu_namespace: str
+) -> None:
+    answer = core.create_namespaced_pod(gpu_namespace, gpu_pod("dry", "1000"), dry_run="All")
+    assert answer.metadata.annotations[ANNOTATION_GPU_UUID].startswith("GPU-")
+    assert reservations(cluster, gpu_namespace) == []
+
+
+def histogram(url: str, cafile: str) -> dict[str, float]:
+    with urllib.request.urlopen(url, context=ssl.create_default_context(cafile=cafile), timeout=5) as resp:
+        text = resp.read().decode()
+    values = {}
+    for line in text.splitlines():
+        m = re.match(r"^(vramshare_webhook_\w+?)(\{[^}]*\})? ([0-9.e+-]+)$", line)
+        if m:
+            values[m.group(1) + (m.group(2) or "")] = float(m.group(3))
+    return values
+
+
+def quantile(buckets: list[tuple[float, float]], q: float) -> float:
+    total = buckets[-1][1]
+    for bound, count in buckets:
+        if count >= q * total:
+            return bound
+    return float("inf")
+
+
+def test_concurrent_creations_over_two_replicas_never_overbook(
+    cluster: LocalCluster, core: client.CoreV1Api, webhooks: dict[str, int]
+) -> None:
+    """120 pods of 3000 MiB at once, half through each replica, onto a fleet that fits fewer."""
+    for shard in ("a", "b"):
+        name = f"burst-{shard}"
+        core.create_namespace(
+            client.V1Namespace(metadata=client.V1ObjectMeta(name=name, labels={"vramshare-e2e/shard": shard}))
+        )
+    before = {
+        s: histogram(f"https://127.0.0.1:{p}/metrics", str(cluster.ca.cert_path)) for s, p in webhooks.items()
+    }
+
+    def create(i: int) -> tuple[str, str | None]:
+        ns = f"burst-{'ab'[i % 2]}"
+        try:
+            pod = core.create_namespaced_pod(ns, gpu_pod(f"p{i}", "3000"))
+        except ApiException as exc:
+            if exc.status != 403:
+                raise
+            return ns, None
+        return ns, pod.metadata.annotations[ANNOTATION_RESERVATION]
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=40) as pool:
+        results = list(pool.map(create, range(120)))
+    admitted = [(ns, r) for ns, r in results if r is not None]
+    items = reservations(cluster)
+    burst = [r for r in items if r["metadata"]["namespace"].startswith("burst-")]
+    # Exactly one reservation per admitted pod, none for refused ones.
+    assert sorted((r["metadata"]["namespace"], r["metadata"]["name"]) for r in burst) == sorted(admitted)
+    # No GPU holds more than its capacity minus the margin.
+    fleet = cluster.exporter.fleet()
+    booked: dict[str, int] = defaultdict(int)
+    for r in items:
+        booked[r["spec"]["gpuUUID"]] += r["spec"]["memoryMiB"]
+    capacity = {g.uuid: g.free_mib - MARGIN for _, g in fleet.all_gpus()}
+    for uuid, mib in booked.items():
+        assert mib <= capacity[uuid], f"{uuid}: {mib} MiB booked, capacity {capacity[uuid]}"
+    # The fleet was oversubscribed, and filled to what it can hold: every refusal was for lack of room.
+    other: dict[str, int] = defaultdict(int)
+    for r in items:
+        if not r["metadata"]["namespace"].startswith("burst-"):
+            other[r["spec"]["gpuUUID"]] += r["spec"]["memoryMiB"]
+    possible = sum((capacity[u] - other[u]) // 3000 for u in capacity)
+    assert len(admitted) == possible < 120
+
+    after = {
+        s: histogram(f"https://127.0.0.1:{p}/metrics", str(cluster.ca.cert_path)) for s, p in webhooks.items()
+    }
+    conflicts = sum(
+        after[s].get("vramshare_webhook_commit_conflicts_total", 0)
+        - before[s].get("vramshare_webhook_commit_conflicts_total", 0)
+        for s in webhooks
+    )
+    per_replica = {
+        s: after[s].get('vramshare_webhook_decisions_total{outcome="admitted",reason="fits"}', 0)
+        - before[s].get('vramshare_webhook_decisions_total{outcome="admitted",reason="fits"}', 0)
+        for s in webhooks
+    }
+    assert all(n > 0 for n in per_replica.values()), per_replica
+    contention_key = 'vramshare_webhook_decisions_total{outcome="refused",reason="contention"}'
+    assert sum(after[s].get(contention_key, 0) for s in webhooks) == 0
+    buckets = defaultdict(float)
+    for s in webhooks:
+        for key, value in after[s].items():
+            m = re.match(r'vramshare_webhook_decision_seconds_bucket\{le="([^"]+)"\}', key)
+            if m:
+                buckets[float(m.group(1))] += value - before[s].get(key, 0)
+    ordered = sorted(buckets.items())
+    print(
+        f"\nadmitted {len(admitted)}/120 (per replica {per_replica}), conflicts retried {conflicts:.0f}, "
+        f"decision latency p50 <= {quantile(ordered, 0.5)} s, p99 <= {quantile(ordered, 0.99)} s"
+    )

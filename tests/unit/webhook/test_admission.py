@@ -1,0 +1,190 @@
+"""The Admitter against an in-memory ledger: outcomes, conflict retries, reinvocation, errors."""
+
+from __future__ import annotations
+
+import base64
+import json
+from typing import Any
+
+import pytest
+
+from tests.unit.domain.builders import NOW, gpu
+from vramshare.kube.ledger import CommitConflictError, Snapshot
+from vramshare.kube.resources import reservation_from_object
+from vramshare_webhook import review as rv
+from vramshare_webhook.admission import Admitter
+from vramshare_webhook.metrics import WebhookMetrics
+from vramshare_webhook.settings import SettingsError, WebhookSettings
+
+
+class MemoryLedger:
+    def __init__(self, *, conflicts: int = 0, fail: Exception | None = None) -> None:
+        self.gpus = (gpu("GPU-a", total=16_384), gpu("GPU-b", index=1, total=8_192))
+        self.objects: list[dict[str, Any]] = []
+        self.conflicts = conflicts
+        self.fail = fail
+
+    async def snapshot(self) -> Snapshot:
+        if self.fail:
+            raise self.fail
+        return Snapshot(
+            gpus=self.gpus,
+            reservations=tuple(reservation_from_object(o) for o in self.objects),
+            tokens={g.uuid: "1" for g in self.gpus},
+        )
+
+    async def get_reservation(self, namespace: str, name: str) -> dict[str, Any] | None:
+        return next((o for o in self.objects if o["metadata"]["name"] == name), None)
+
+    async def commit(self, *, reservation: dict[str, Any], gpu_uuid: str, token: str) -> dict[str, Any]:
+        if self.conflicts:
+            self.conflicts -= 1
+            raise CommitConflictError("moved")
+        reservation["metadata"]["creationTimestamp"] = "2027-01-15T08:00:00Z"
+        self.objects.append(reservation)
+        return reservation
+
+
+def request(mib: str | None = "4096", *, uid: str = "u1", dry_run: bool = False, **meta: Any) -> rv.Request:
+    annotations = {"gpu-mem-mb": mib} if mib is not None else {}
+    annotations.update(meta.pop("annotations", {}))
+    pod = {
+        "metadata": {"name": "task", "annotations": annotations, **meta},
+        "spec": {"containers": [{"name": "base", "image": "x"}]},
+    }
+    return rv.Request(
+        uid=uid,
+        operation="CREATE",
+        namespace="airflow",
+        name="task",
+        kind="Pod",
+        object=pod,
+        old_object=None,
+        dry_run=dry_run,
+        username="airflow",
+    )
+
+
+def admitter(ledger: MemoryLedger, **settings: Any) -> Admitter:
+    return Admitter(
+        settings=WebhookSettings(safety_margin_mib=0, **settings),
+        ledger=ledger,
+        metrics=WebhookMetrics(),
+        clock=lambda: NOW,
+    )
+
+
+def patch_of(review: rv.Review) -> list[dict[str, Any]]:
+    return json.loads(base64.b64decode(review["response"]["patch"]))  # type: ignore[no-any-return]
+
+
+async def test_admits_and_commits_one_reservation() -> None:
+    ledger = MemoryLedger()
+    review = await admitter(ledger).review(request())
+    assert review["response"]["allowed"]
+    (obj,) = ledger.objects
+    assert obj["spec"]["gpuUUID"] == "GPU-a"
+    assert obj["spec"]["admissionUID"] == "u1"
+    annotations = next(op["value"] for op in patch_of(review) if op["path"] == "/metadata/annotations")
+    assert annotations["vramshare.io/reservation"] == obj["metadata"]["name"]
+
+
+async def test_refuses_with_the_configured_code_and_commits_nothing() -> None:
+    ledger = MemoryLedger()
+    review = await admitter(ledger, denial_code=429, retry_after_s=30).review(request("20000"))
+    status = review["response"]["status"]
+    assert review["response"]["allowed"] is False
+    assert (status["code"], status["reason"], status["details"]) == (
+        429,
+        "TooManyRequests",
+        {"retryAfterSeconds": 30},
+    )
+    assert "retry after 30 s" in status["message"]
+    assert ledger.objects == []
+
+
+async def test_conflicts_are_retried_and_counted() -> None:
+    ledger = MemoryLedger(conflicts=3)
+    a = admitter(ledger)
+    review = await a.review(request())
+    assert review["response"]["allowed"]
+    assert len(ledger.objects) == 1
+    assert a.metrics.conflicts._value.get() == 3
+
+
+async def test_contention_past_the_deadline_is_a_refusal_not_an_error() -> None:
+    ledger = MemoryLedger(conflicts=10_000)
+    review = await admitter(ledger, decision_deadline_s=0.05).review(request())
+    assert review["response"]["status"]["code"] == 403
+    assert "too many concurrent admissions" in review["response"]["status"]["message"]
+
+
+async def test_dry_run_patches_without_committing() -> None:
+    ledger = MemoryLedger()
+    review = await admitter(ledger).review(request(dry_run=True))
+    assert review["response"]["allowed"]
+    assert patch_of(review)
+    assert ledger.objects == []
+
+
+async def test_reinvocation_of_the_same_request_reuses_its_reservation() -> None:
+    ledger = MemoryLedger()
+    a = admitter(ledger)
+    first = await a.review(request())
+    annotations = next(op["value"] for op in patch_of(first) if op["path"] == "/metadata/annotations")
+    again = await a.review(request(annotations=annotations))
+    assert patch_of(again) == patch_of(first)
+    assert len(ledger.objects) == 1
+    # The same annotations on another request (a user copying them) are not honoured.
+    other = await a.review(request(uid="u2", annotations=annotations))
+    assert len(ledger.objects) == 2
+    assert patch_of(other) != patch_of(first)
+
+
+@pytest.mark.parametrize(("mib", "problem"), [("abc", "it is not a number"), ("0", "it is zero")])
+async def test_invalid_annotation_is_a_400(mib: str, problem: str) -> None:
+    review = await admitter(MemoryLedger()).review(request(mib))
+    assert review["response"]["status"]["code"] == 400
+    assert problem in review["response"]["status"]["message"]
+
+
+async def test_device_plugin_pods_with_the_annotation_are_refused() -> None:
+    req = request()
+    req.object["spec"]["containers"][0]["resources"] = {"limits": {"nvidia.com/gpu": "1"}}
+    review = await admitter(MemoryLedger()).review(req)
+    assert review["response"]["status"]["code"] == 400
+    assert "nvidia.com/gpu" in review["response"]["status"]["message"]
+
+
+async def test_unannotated_pods_are_hidden_or_left_alone() -> None:
+    hidden = await admitter(MemoryLedger()).review(request(None))
+    assert patch_of(hidden)[0]["value"] == [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "none"}]
+    untouched = await admitter(MemoryLedger(), hide_gpus=False).review(request(None))
+    assert "patch" not in untouched["response"]
+
+
+async def test_internal_failure_is_a_well_formed_errored_answer() -> None:
+    review = await admitter(MemoryLedger(fail=RuntimeError("API server unreachable"))).review(
+        request(uid="u7")
+    )
+    assert review["response"]["uid"] == "u7"
+    assert review["response"]["status"]["code"] == 500
+    assert "API server unreachable" in review["response"]["status"]["message"]
+
+
+def test_settings_from_env_and_their_errors() -> None:
+    s = WebhookSettings.from_env(
+        {
+            "VRAMSHARE_POLICY": "binpack",
+            "VRAMSHARE_DENIAL_CODE": "429",
+            "VRAMSHARE_HIDE_GPUS": "false",
+            "VRAMSHARE_SETTLE_S": "30",
+        }
+    )
+    assert (s.policy.value, s.denial_code, s.hide_gpus, s.settle_s) == ("binpack", 429, False, 30.0)
+    with pytest.raises(
+        SettingsError, match=r"VRAMSHARE_POLICY='pack' is not valid: expected one of spread, binpack"
+    ):
+        WebhookSettings.from_env({"VRAMSHARE_POLICY": "pack"})
+    with pytest.raises(SettingsError, match=r"VRAMSHARE_DENIAL_CODE=500 is not valid: expected 403 or 429"):
+        WebhookSettings.from_env({"VRAMSHARE_DENIAL_CODE": "500"})

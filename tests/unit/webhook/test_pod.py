@@ -1,0 +1,238 @@
+"""Patch building and pod reading: existing env, affinity terms, init containers, escaping."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+
+from vramshare_webhook.pod import (
+    Placement,
+    hide_gpus_patch,
+    pinned_node,
+    placement_of,
+    placement_patch,
+    pointer,
+    requested_device_resources,
+    spoofed,
+)
+
+PLACE = Placement(reservation="task-1-abcd", gpu_uuid="GPU-1", gpu_index=2, node="gpu-node-a")
+
+
+def apply(doc: dict[str, Any], ops: list[dict[str, Any]]) -> dict[str, Any]:
+    """A minimal JSON Patch 'add' (all we emit), resolving RFC 6901 pointers."""
+    doc = copy.deepcopy(doc)
+    for op in ops:
+        assert op["op"] == "add"
+        parts = [p.replace("~1", "/").replace("~0", "~") for p in op["path"].split("/")[1:]]
+        target = doc
+        for part in parts[:-1]:
+            target = target[int(part)] if isinstance(target, list) else target.setdefault(part, {})
+        last = parts[-1]
+        if isinstance(target, list):
+            target.insert(int(last), op["value"])
+        else:
+            target[last] = op["value"]
+    return doc
+
+
+def pod(**spec: Any) -> dict[str, Any]:
+    return {
+        "metadata": {"name": "task-1", "annotations": {"gpu-mem-mb": "4096"}},
+        "spec": {"containers": [{"name": "base", "image": "x"}], **spec},
+    }
+
+
+def env(container: dict[str, Any]) -> list[tuple[str, str]]:
+    return [(e["name"], e.get("value", "")) for e in container.get("env", [])]
+
+
+def test_pointer_escapes_per_rfc_6901() -> None:
+    assert (
+        pointer("metadata", "annotations", "vramshare.io/gpu-uuid")
+        == "/metadata/annotations/vramshare.io~1gpu-uuid"
+    )
+    assert pointer("a~b", 0) == "/a~0b/0"
+
+
+def test_env_is_set_in_every_container_and_init_container_replacing_user_values() -> None:
+    p = pod(
+        initContainers=[
+            {"name": "init", "image": "x", "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}]}
+        ]
+    )
+    p["spec"]["containers"].append(
+        {
+            "name": "side",
+            "image": "x",
+            "env": [
+                {"name": "A", "value": "1"},
+                {"name": "CUDA_VISIBLE_DEVICES", "value": "3"},
+                {"name": "CUDA_VISIBLE_DEVICES", "value": "4"},
+            ],
+        }
+    )
+    out = apply(p, placement_patch(p, PLACE))
+    ours = [("NVIDIA_VISIBLE_DEVICES", "GPU-1"), ("CUDA_VISIBLE_DEVICES", "0")]
+    assert env(out["spec"]["initContainers"][0]) == ours
+    assert env(out["spec"]["containers"][0]) == ours
+    assert env(out["spec"]["containers"][1]) == [("A", "1"), *ours]
+
+
+def test_affinity_is_added_when_there_is_none() -> None:
+    out = apply(pod(), placement_patch(pod(), PLACE))
+    terms = out["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+        "nodeSelectorTerms"
+    ]
+    assert terms == [
+        {"matchExpressions": [{"key": "kubernetes.io/hostname", "operator": "In", "values": ["gpu-node-a"]}]}
+    ]
+
+
+def test_affinity_is_anded_into_every_existing_term_and_other_affinities_kept() -> None:
+    affinity = {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [
+                    {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["z1"]}]},
+                    {"matchFields": [{"key": "metadata.name", "operator": "NotIn", "values": ["n9"]}]},
+                ]
+            },
+            "preferredDuringSchedulingIgnoredDuringExecution": [{"weight": 1, "preference": {}}],
+        },
+        "podAntiAffinity": {"x": 1},
+    }
+    p = pod(affinity=affinity)
+    out = apply(p, placement_patch(p, PLACE))
+    ours = {"key": "kubernetes.io/hostname", "operator": "In", "values": ["gpu-node-a"]}
+    node_affinity = out["spec"]["affinity"]["nodeAffinity"]
+    terms = node_affinity["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    assert terms[0]["matchExpressions"] == [{"key": "zone", "operator": "In", "values": ["z1"]}, ours]
+    assert terms[1]["matchExpressions"] == [ours]
+    assert (
+        terms[1]["matchFields"]
+        == affinity["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"][1][
+            "matchFields"
+        ]
+    )
+    assert node_affinity["preferredDuringSchedulingIgnoredDuringExecution"] == [
+        {"weight": 1, "preference": {}}
+    ]
+    assert out["spec"]["affinity"]["podAntiAffinity"] == {"x": 1}
+    assert p["spec"]["affinity"] == affinity  # the input is not modified
+
+
+def test_annotations_replace_user_set_vramshare_keys_and_keep_others() -> None:
+    p = pod()
+    p["metadata"]["annotations"].update(
+        {"vramshare.io/gpu-uuid": "GPU-mine", "vramshare.io/x": "y", "team": "a"}
+    )
+    out = apply(p, placement_patch(p, PLACE))
+    assert out["metadata"]["annotations"] == {
+        "gpu-mem-mb": "4096",
+        "team": "a",
+        "vramshare.io/reservation": "task-1-abcd",
+        "vramshare.io/gpu-uuid": "GPU-1",
+        "vramshare.io/gpu-index": "2",
+        "vramshare.io/node": "gpu-node-a",
+    }
+    assert placement_of(out) == PLACE
+    assert sorted(spoofed(p)) == ["annotation vramshare.io/gpu-uuid", "annotation vramshare.io/x"]
+
+
+def test_pod_without_annotations_map_gets_one() -> None:
+    p = {"metadata": {"generateName": "t-"}, "spec": {"containers": [{"name": "c"}]}}
+    out = apply(p, placement_patch(p, PLACE))
+    assert out["metadata"]["annotations"]["vramshare.io/reservation"] == "task-1-abcd"
+
+
+def test_hide_gpus_sets_none_everywhere() -> None:
+    p = pod(initContainers=[{"name": "i"}])
+    p["spec"]["containers"][0]["env"] = [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}]
+    out = apply(p, hide_gpus_patch(p))
+    for c in (*out["spec"]["initContainers"], *out["spec"]["containers"]):
+        assert env(c) == [("NVIDIA_VISIBLE_DEVICES", "none")]
+
+
+@pytest.mark.parametrize(
+    ("spec", "node"),
+    [
+        ({}, None),
+        ({"nodeName": "n1"}, "n1"),
+        ({"nodeSelector": {"kubernetes.io/hostname": "n2"}}, "n2"),
+        (
+            {
+                "affinity": {
+                    "nodeAffinity": {
+                        "requiredDuringSchedulingIgnoredDuringExecution": {
+                            "nodeSelectorTerms": [
+                                {
+                                    "matchExpressions": [
+                                        {"key": "kubernetes.io/hostname", "operator": "In", "values": ["n3"]}
+                                    ]
+                                }
+                            ]
+                        }
+                    }
+                }
+            },
+            "n3",
+        ),
+        (
+            {
+                "affinity": {
+                    "nodeAffinity": {
+                        "requiredDuringSchedulingIgnoredDuringExecution": {
+                            "nodeSelectorTerms": [
+                                {
+                                    "matchExpressions": [
+                                        {
+                                            "key": "kubernetes.io/hostname",
+                                            "operator": "In",
+                                            "values": ["n3", "n4"],
+                                        }
+                                    ]
+                                }
+                            ]
+                        }
+                    }
+                }
+            },
+            None,
+        ),
+        (
+            {
+                "affinity": {
+                    "nodeAffinity": {
+                        "requiredDuringSchedulingIgnoredDuringExecution": {
+                            "nodeSelectorTerms": [
+                                {
+                                    "matchExpressions": [
+                                        {"key": "kubernetes.io/hostname", "operator": "In", "values": ["n3"]}
+                                    ]
+                                },
+                                {
+                                    "matchExpressions": [
+                                        {"key": "kubernetes.io/hostname", "operator": "In", "values": ["n4"]}
+                                    ]
+                                },
+                            ]
+                        }
+                    }
+                }
+            },
+            None,
+        ),
+    ],
+)
+def test_pinned_node(spec: dict[str, Any], node: str | None) -> None:
+    assert pinned_node(pod(**spec)) == node
+
+
+def test_device_plugin_resources_are_detected() -> None:
+    p = pod()
+    p["spec"]["containers"][0]["resources"] = {"limits": {"nvidia.com/gpu": 1, "cpu": "1"}}
+    assert requested_device_resources(p) == ["nvidia.com/gpu"]
+    assert requested_device_resources(pod()) == []

@@ -1,0 +1,81 @@
+"""AdmissionReview decoding guards and answers."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import pytest
+
+from vramshare_webhook import review as rv
+
+
+def body(**request: object) -> bytes:
+    base = {"uid": "u1", "operation": "CREATE", "kind": {"kind": "Pod"}, "namespace": "ns", "object": {}}
+    return json.dumps(
+        {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": {**base, **request}}
+    ).encode()
+
+
+def test_decodes_a_review() -> None:
+    req = rv.decode(
+        body(dryRun=True, userInfo={"username": "alice"}), content_type="application/json; charset=utf-8"
+    )
+    assert (req.uid, req.operation, req.kind, req.namespace, req.dry_run, req.username) == (
+        "u1",
+        "CREATE",
+        "Pod",
+        "ns",
+        True,
+        "alice",
+    )
+
+
+@pytest.mark.parametrize(
+    ("payload", "content_type", "problem"),
+    [
+        (b"", "application/json", "empty body"),
+        (b"{}", "text/plain", "content type must be application/json"),
+        (b"{nope", "application/json", "not valid JSON"),
+        (b"[]", "application/json", "not an AdmissionReview"),
+        (
+            b'{"kind":"AdmissionReview","apiVersion":"admission.k8s.io/v1beta1","request":{}}',
+            "application/json",
+            "apiVersion must be admission.k8s.io/v1",
+        ),
+        (
+            b'{"kind":"AdmissionReview","apiVersion":"admission.k8s.io/v1"}',
+            "application/json",
+            "has no request",
+        ),
+        (body(uid=""), "application/json", "has no uid"),
+        (body(operation="PATCH"), "application/json", "unknown operation"),
+        (b"x" * (rv.MAX_BODY_BYTES + 1), "application/json", "exceeds"),
+    ],
+)
+def test_guards(payload: bytes, content_type: str, problem: str) -> None:
+    with pytest.raises(rv.BadRequestError, match=problem):
+        rv.decode(payload, content_type=content_type)
+
+
+def test_answers_echo_the_uid_and_encode_the_patch() -> None:
+    review = rv.patched("u1", [{"op": "add", "path": "/x", "value": 1}])
+    assert review["response"]["uid"] == "u1"
+    assert review["response"]["patchType"] == "JSONPatch"
+    assert json.loads(base64.b64decode(review["response"]["patch"])) == [
+        {"op": "add", "path": "/x", "value": 1}
+    ]
+    denial = rv.denied("u2", "no", code=429, reason="TooManyRequests", retry_after_s=30)
+    assert denial["response"] == {
+        "uid": "u2",
+        "allowed": False,
+        "status": {
+            "code": 429,
+            "message": "no",
+            "reason": "TooManyRequests",
+            "details": {"retryAfterSeconds": 30},
+        },
+    }
+    assert rv.errored("u3", "boom")["response"]["status"]["code"] == 500
+    assert rv.request_uid(body(uid="u9")) == "u9"
+    assert rv.request_uid(b"garbage") == ""

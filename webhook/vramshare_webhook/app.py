@@ -1,0 +1,50 @@
+"""The aiohttp application: /mutate, /healthz, /readyz and /metrics."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import structlog
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from vramshare_webhook import review as rv
+from vramshare_webhook.admission import Admitter
+
+log = structlog.get_logger("vramshare.webhook")
+
+
+def create_app(*, admitter: Admitter, ready: Callable[[], bool]) -> web.Application:
+    app = web.Application(client_max_size=rv.MAX_BODY_BYTES + 1024)
+
+    async def mutate(request: web.Request) -> web.Response:
+        body = b""
+        try:
+            if request.content_length is not None and request.content_length > rv.MAX_BODY_BYTES:
+                raise rv.BadRequestError(f"body of {request.content_length} bytes exceeds the limit")
+            body = await request.read()
+            decoded = rv.decode(body, content_type=request.headers.get("Content-Type", ""))
+        except rv.BadRequestError as exc:
+            admitter.metrics.decisions.labels("bad-request", "undecodable").inc()
+            return web.json_response({"error": str(exc)}, status=400)
+        except web.HTTPRequestEntityTooLarge:
+            admitter.metrics.decisions.labels("bad-request", "too-large").inc()
+            return web.json_response({"error": "body exceeds the 7 MiB limit"}, status=400)
+        return web.json_response(await admitter.review(decoded))
+
+    async def healthz(_: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def readyz(_: web.Request) -> web.Response:
+        return web.Response(text="ok") if ready() else web.Response(text="not ready", status=503)
+
+    async def metrics(_: web.Request) -> web.Response:
+        return web.Response(
+            body=generate_latest(admitter.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
+        )
+
+    app.router.add_post("/mutate", mutate)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    app.router.add_get("/metrics", metrics)
+    return app

@@ -1,0 +1,27 @@
+"""The webhook's Prometheus metrics (served at /metrics)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+
+class WebhookMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        self.decisions = Counter(
+            "vramshare_webhook_decisions",
+            "Admission decisions by outcome (admitted, refused, invalid, hidden, skipped, error) and reason.",
+            ["outcome", "reason"],
+            registry=self.registry,
+        )
+        self.decision_seconds = Histogram(
+            "vramshare_webhook_decision_seconds",
+            "Time from receiving an AdmissionReview to answering it.",
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
+            registry=self.registry,
+        )
+        self.conflicts = Counter(
+            "vramshare_webhook_commit_conflicts",
+            "Reservation commits retried because the GPU's ledger changed meanwhile.",
+            registry=self.registry,
+        )

@@ -1,0 +1,192 @@
+"""Reading and patching pod specs: pure functions over the pod as the API server sends it.
+
+The patch pins a pod to one GPU: `NVIDIA_VISIBLE_DEVICES=<UUID>` and `CUDA_VISIBLE_DEVICES=0` in every
+container and init container (replacing values the user set, never duplicating an entry), a required
+node affinity to the GPU's node ANDed into every existing term, and vramshare's annotations (which
+replace any `vramshare.io/*` annotation the user wrote). Whole lists and maps are replaced in one
+operation each, which is simpler to get right than editing entries in place.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+from vramshare.kube.resources import (
+    ANNOTATION_GPU_INDEX,
+    ANNOTATION_GPU_UUID,
+    ANNOTATION_NODE,
+    ANNOTATION_PREFIX,
+    ANNOTATION_RESERVATION,
+)
+
+Obj = dict[str, Any]
+Operation = dict[str, Any]
+
+VISIBLE_DEVICES = "NVIDIA_VISIBLE_DEVICES"
+CUDA_DEVICES = "CUDA_VISIBLE_DEVICES"
+HOSTNAME_LABEL = "kubernetes.io/hostname"
+CONTAINER_LISTS = ("initContainers", "containers")
+
+
+def pointer(*parts: str | int) -> str:
+    """A JSON Pointer (RFC 6901): '~' is written '~0' and '/' is written '~1'."""
+    return "".join("/" + str(p).replace("~", "~0").replace("/", "~1") for p in parts)
+
+
+def pod_annotations(pod: Obj) -> dict[str, str]:
+    value = pod.get("metadata", {}).get("annotations")
+    return value if isinstance(value, dict) else {}
+
+
+def display_name(pod: Obj) -> str:
+    """The pod's name, or its generateName prefix followed by '*' before the API server names it."""
+    meta = pod.get("metadata", {})
+    return str(meta.get("name") or (str(meta.get("generateName") or "pod") + "*"))
+
+
+def _containers(pod: Obj) -> list[tuple[str, int, Obj]]:
+    spec = pod.get("spec", {})
+    return [
+        (key, i, c)
+        for key in CONTAINER_LISTS
+        for i, c in enumerate(spec.get(key) or [])
+        if isinstance(c, dict)
+    ]
+
+
+def requested_device_resources(pod: Obj) -> list[str]:
+    """`nvidia.com/*` resources any container requests: such pods belong to the device plugin."""
+    found = set()
+    for _, _, c in _containers(pod):
+        resources = c.get("resources") or {}
+        for section in ("limits", "requests"):
+            for name in resources.get(section) or {}:
+                if str(name).startswith("nvidia.com/"):
+                    found.add(str(name))
+    return sorted(found)
+
+
+def pinned_node(pod: Obj) -> str | None:
+    """The one node the pod is already pinned to, if any.
+
+    Read from `spec.nodeName`, a `kubernetes.io/hostname` nodeSelector, or a required node affinity
+    whose every term allows exactly the same single hostname.
+    """
+    spec = pod.get("spec", {})
+    if spec.get("nodeName"):
+        return str(spec["nodeName"])
+    selector = spec.get("nodeSelector") or {}
+    if selector.get(HOSTNAME_LABEL):
+        return str(selector[HOSTNAME_LABEL])
+    terms = _required_terms(spec)
+    hosts = set()
+    for term in terms:
+        values = [
+            tuple(e.get("values") or [])
+            for e in term.get("matchExpressions") or []
+            if e.get("key") == HOSTNAME_LABEL and e.get("operator") == "In"
+        ]
+        if len(values) != 1 or len(values[0]) != 1:
+            return None
+        hosts.add(values[0][0])
+    return str(hosts.pop()) if len(hosts) == 1 else None
+
+
+def _required_terms(spec: Obj) -> list[Obj]:
+    required = ((spec.get("affinity") or {}).get("nodeAffinity") or {}).get(
+        "requiredDuringSchedulingIgnoredDuringExecution"
+    ) or {}
+    return [t for t in required.get("nodeSelectorTerms") or [] if isinstance(t, dict)]
+
+
+def _with_env(container: Obj, values: dict[str, str]) -> list[Obj]:
+    kept = [e for e in container.get("env") or [] if not (isinstance(e, dict) and e.get("name") in values)]
+    return kept + [{"name": k, "value": v} for k, v in values.items()]
+
+
+def _affinity_on(spec: Obj, node: str) -> Obj:
+    affinity = copy.deepcopy(spec.get("affinity") or {})
+    node_affinity = affinity.setdefault("nodeAffinity", {})
+    required = node_affinity.setdefault("requiredDuringSchedulingIgnoredDuringExecution", {})
+    ours = {"key": HOSTNAME_LABEL, "operator": "In", "values": [node]}
+    terms = [t for t in required.get("nodeSelectorTerms") or [] if isinstance(t, dict)]
+    if not terms:
+        terms = [{}]
+    # Terms are ORed, expressions inside a term ANDed: the GPU's node must hold in every term.
+    for term in terms:
+        term["matchExpressions"] = [*(term.get("matchExpressions") or []), ours]
+    required["nodeSelectorTerms"] = terms
+    return affinity
+
+
+@dataclass(frozen=True, kw_only=True)
+class Placement:
+    """Where a pod goes: the reservation behind it and the GPU it gets."""
+
+    reservation: str
+    gpu_uuid: str
+    gpu_index: int
+    node: str
+
+
+def spoofed(pod: Obj) -> list[str]:
+    """What the user set that only vramshare may set (logged, then overwritten)."""
+    found = [f"annotation {k}" for k in pod_annotations(pod) if k.startswith(ANNOTATION_PREFIX)]
+    for key, i, c in _containers(pod):
+        for e in c.get("env") or []:
+            if isinstance(e, dict) and e.get("name") in (VISIBLE_DEVICES, CUDA_DEVICES):
+                found.append(f"{key}[{i}].env {e.get('name')}")
+    return found
+
+
+def placement_patch(pod: Obj, placement: Placement) -> list[Operation]:
+    """The JSON Patch that puts `pod` on `placement`'s GPU."""
+    ops: list[Operation] = []
+    env = {VISIBLE_DEVICES: placement.gpu_uuid, CUDA_DEVICES: "0"}
+    for key, i, c in _containers(pod):
+        ops.append({"op": "add", "path": pointer("spec", key, i, "env"), "value": _with_env(c, env)})
+    ops.append(
+        {
+            "op": "add",
+            "path": pointer("spec", "affinity"),
+            "value": _affinity_on(pod.get("spec", {}), placement.node),
+        }
+    )
+    ours = {
+        ANNOTATION_RESERVATION: placement.reservation,
+        ANNOTATION_GPU_UUID: placement.gpu_uuid,
+        ANNOTATION_GPU_INDEX: str(placement.gpu_index),
+        ANNOTATION_NODE: placement.node,
+    }
+    kept = {k: v for k, v in pod_annotations(pod).items() if not k.startswith(ANNOTATION_PREFIX)}
+    ops.append({"op": "add", "path": pointer("metadata", "annotations"), "value": {**kept, **ours}})
+    return ops
+
+
+def hide_gpus_patch(pod: Obj) -> list[Operation]:
+    """For pods without a GPU request: `NVIDIA_VISIBLE_DEVICES=none`, so CUDA images (which default to
+    `all`) see no GPU at all."""
+    return [
+        {
+            "op": "add",
+            "path": pointer("spec", key, i, "env"),
+            "value": _with_env(c, {VISIBLE_DEVICES: "none"}),
+        }
+        for key, i, c in _containers(pod)
+    ]
+
+
+def placement_of(pod: Obj) -> Placement | None:
+    """The placement recorded in a pod's annotations (on reinvocation), if complete."""
+    a = pod_annotations(pod)
+    try:
+        return Placement(
+            reservation=a[ANNOTATION_RESERVATION],
+            gpu_uuid=a[ANNOTATION_GPU_UUID],
+            gpu_index=int(a[ANNOTATION_GPU_INDEX]),
+            node=a[ANNOTATION_NODE],
+        )
+    except (KeyError, ValueError):
+        return None

@@ -1,0 +1,112 @@
+"""The webhook's settings: one dataclass, read from VRAMSHARE_* environment variables.
+
+Each field's environment variable is its name in upper case with the VRAMSHARE_ prefix, e.g.
+`denial_code` -> `VRAMSHARE_DENIAL_CODE`. Values are checked at start-up; a wrong one stops the
+process with a message naming the variable, the value and what is accepted.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+from vramshare.domain import DEFAULT_ANNOTATION, DEFAULT_MAX_MIB, AllocationSettings, Policy, StaleGpuMode
+
+
+class SettingsError(ValueError):
+    pass
+
+
+@dataclass(frozen=True, kw_only=True)
+class WebhookSettings:
+    annotation: str = DEFAULT_ANNOTATION
+    """The pod annotation carrying the memory request in MiB."""
+    max_request_mib: int = DEFAULT_MAX_MIB
+    policy: Policy = Policy.SPREAD
+    safety_margin_mib: int = 512
+    settle_s: float = 60.0
+    max_sample_age_s: float = 120.0
+    stale_mode: StaleGpuMode = StaleGpuMode.REFUSE
+    denial_code: int = 403
+    """403 (default: the task's own retries apply) or 429 (retryAfterSeconds; KPO retries in the try)."""
+    retry_after_s: int = 60
+    hide_gpus: bool = True
+    """Give pods without the annotation NVIDIA_VISIBLE_DEVICES=none (only managed namespaces reach it)."""
+    decision_deadline_s: float = 8.0
+    """Give up retrying conflicts after this long; keep it below the webhook's timeoutSeconds."""
+    host: str = "0.0.0.0"
+    port: int = 8443
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+    kubeconfig: str = ""
+    """Empty: the in-cluster service account."""
+    log_level: str = "info"
+
+    @property
+    def allocation(self) -> AllocationSettings:
+        return AllocationSettings(
+            policy=self.policy,
+            safety_margin_mib=self.safety_margin_mib,
+            settle_s=self.settle_s,
+            max_sample_age_s=self.max_sample_age_s,
+            stale_mode=self.stale_mode,
+        )
+
+    @property
+    def retry_hint(self) -> str:
+        if self.denial_code == 429:
+            return f"The pod was not created; retry after {self.retry_after_s} s (Airflow retries the task)."
+        return "The pod was not created; Airflow retries the task after its retry_delay."
+
+    def validate(self) -> WebhookSettings:
+        def bad(name: str, value: object, accepted: str) -> SettingsError:
+            return SettingsError(f"VRAMSHARE_{name.upper()}={value!r} is not valid: expected {accepted}")
+
+        if self.denial_code not in (403, 429):
+            raise bad("denial_code", self.denial_code, "403 or 429")
+        if self.safety_margin_mib < 0:
+            raise bad("safety_margin_mib", self.safety_margin_mib, "0 or more MiB")
+        if not 0 < self.decision_deadline_s <= 29:
+            raise bad("decision_deadline_s", self.decision_deadline_s, "seconds between 0 and 29")
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise bad(
+                "tls_cert_file", self.tls_cert_file, "both VRAMSHARE_TLS_CERT_FILE and _KEY_FILE, or neither"
+            )
+        return self
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> WebhookSettings:
+        env = os.environ if env is None else env
+        settings = cls()
+        changes: dict[str, Any] = {}
+        for f in fields(cls):
+            key = f"VRAMSHARE_{f.name.upper()}"
+            if key not in env:
+                continue
+            raw = env[key]
+            current = getattr(settings, f.name)
+            try:
+                if isinstance(current, bool):
+                    if raw.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                        raise ValueError
+                    changes[f.name] = raw.lower() in ("true", "1", "yes")
+                elif isinstance(current, Policy | StaleGpuMode):
+                    changes[f.name] = type(current)(raw)
+                elif isinstance(current, int):
+                    changes[f.name] = int(raw)
+                elif isinstance(current, float):
+                    changes[f.name] = float(raw)
+                else:
+                    changes[f.name] = raw
+            except ValueError:
+                accepted = {
+                    bool: "true or false",
+                    int: "a whole number",
+                    float: "a number",
+                    Policy: "one of " + ", ".join(p.value for p in Policy),
+                    StaleGpuMode: "one of " + ", ".join(m.value for m in StaleGpuMode),
+                }.get(type(current), "text")
+                raise SettingsError(f"{key}={raw!r} is not valid: expected {accepted}") from None
+        return replace(settings, **changes).validate()
