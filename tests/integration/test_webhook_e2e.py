@@ -152,6 +152,25 @@ def test_dry_run_create_is_patched_but_reserves_nothing(
     assert reservations(cluster, gpu_namespace) == []
 
 
+def test_pod_pinned_to_a_node_gets_a_gpu_on_that_node(
+    cluster: LocalCluster, core: client.CoreV1Api, gpu_namespace: str
+) -> None:
+    created = core.create_namespaced_pod(
+        gpu_namespace, gpu_pod("pinned", "2000", node_selector={"kubernetes.io/hostname": "gpu-node-b"})
+    )
+    assert created.metadata.annotations[ANNOTATION_NODE] == "gpu-node-b"
+    node_b = {g.uuid for n in cluster.settings.fleet.nodes if n.name == "gpu-node-b" for g in n.gpus}
+    assert created.metadata.annotations[ANNOTATION_GPU_UUID] in node_b
+    with pytest.raises(ApiException) as refused:
+        core.create_namespaced_pod(
+            gpu_namespace,
+            gpu_pod("pinned-big", "20000", node_selector={"kubernetes.io/hostname": "gpu-node-b"}),
+        )
+    message = json.loads(refused.value.body)["message"]
+    assert "no GPU on node gpu-node-b has 20000 MiB" in message
+    assert "on another node than the pod is pinned to" in message
+
+
 def histogram(url: str, cafile: str) -> dict[str, float]:
     with urllib.request.urlopen(url, context=ssl.create_default_context(cafile=cafile), timeout=5) as resp:
         text = resp.read().decode()
