@@ -171,7 +171,7 @@ class Component:
         return "\n".join(text[-lines:])
 
 
-def _http_ok(url: str, *, context: ssl.SSLContext | None = None, expect: str | None = None) -> bool:
+def http_ok(url: str, *, context: ssl.SSLContext | None = None, expect: str | None = None) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=2, context=context) as resp:
             body = resp.read().decode(errors="replace")
@@ -268,7 +268,7 @@ class LocalCluster:
                 "--unsafe-no-fsync=true",  # tests only: no durability needed, much faster
                 "--log-level=warn",
             ],
-            ready=lambda: _http_ok(f"http://127.0.0.1:{p['etcd']}/health", expect='"health":"true"'),
+            ready=lambda: http_ok(f"http://127.0.0.1:{p['etcd']}/health", expect='"health":"true"'),
         )
         self._add(
             "kube-apiserver",
@@ -294,7 +294,7 @@ class LocalCluster:
                 "--profiling=false",
                 "--v=1",
             ],
-            ready=lambda: _http_ok(f"{self.api_url}/readyz", context=self._admin_tls()),
+            ready=lambda: http_ok(f"{self.api_url}/readyz", context=self._admin_tls()),
         )
         if self.settings.with_controller_manager:
             self._add(
@@ -312,7 +312,7 @@ class LocalCluster:
                     "--leader-elect=false",
                     "--v=1",
                 ],
-                ready=lambda: _http_ok(
+                ready=lambda: http_ok(
                     f"https://127.0.0.1:{p['controller-manager']}/healthz", context=unverified
                 ),
             )
@@ -329,7 +329,7 @@ class LocalCluster:
                     "--leader-elect=false",
                     "--v=1",
                 ],
-                ready=lambda: _http_ok(f"https://127.0.0.1:{p['scheduler']}/healthz", context=unverified),
+                ready=lambda: http_ok(f"https://127.0.0.1:{p['scheduler']}/healthz", context=unverified),
             )
         if self.settings.with_kwok:
             self._add(
@@ -345,7 +345,7 @@ class LocalCluster:
                     "--cidr=10.244.0.0/16",
                     "--node-ip=127.0.0.1",
                 ],
-                ready=lambda: _http_ok(f"http://127.0.0.1:{p['kwok']}/healthz"),
+                ready=lambda: http_ok(f"http://127.0.0.1:{p['kwok']}/healthz"),
             )
         self._add(
             "fake-dcgm-exporter",
@@ -356,7 +356,7 @@ class LocalCluster:
                 f"--fleet={self.fleet_path}",
                 f"--port={p['exporter']}",
             ],
-            ready=lambda: _http_ok(f"{self.exporter_url}/metrics", expect="DCGM_FI_DEV_FB_FREE"),
+            ready=lambda: http_ok(f"{self.exporter_url}/metrics", expect="DCGM_FI_DEV_FB_FREE"),
         )
         if self.settings.with_prometheus:
             config = self.workdir / "prometheus.yml"
@@ -388,7 +388,7 @@ class LocalCluster:
                     "--storage.tsdb.retention.time=2h",
                     "--log.level=warn",
                 ],
-                ready=lambda: _http_ok(f"{self.prometheus_url}/-/ready"),
+                ready=lambda: http_ok(f"{self.prometheus_url}/-/ready"),
             )
 
     def _add(self, name: str, argv: list[str], *, ready: Callable[[], bool]) -> None:

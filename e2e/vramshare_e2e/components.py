@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from vramshare.kube.resources import API_VERSION, device_name, format_time_precise
-from vramshare_e2e.cluster import Component, LocalCluster, _http_ok, free_port
+from vramshare_e2e.cluster import Component, LocalCluster, http_ok, free_port
 from vramshare_e2e.fleet import Fleet
 
 WEBHOOK_NAME = "gpu-mem.vramshare.io"
@@ -46,7 +46,7 @@ def start_webhook(
         name=name,
         argv=[sys.executable, "-m", "vramshare_webhook"],
         log_path=cluster.logs_dir / f"{name}.log",
-        ready=lambda: _http_ok(f"https://127.0.0.1:{port}/readyz", context=ctx),
+        ready=lambda: http_ok(f"https://127.0.0.1:{port}/readyz", context=ctx),
         env=environment,
     )
     cluster.components[name] = component
