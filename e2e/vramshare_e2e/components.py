@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from vramshare.kube.resources import API_VERSION, device_name, format_time_precise
-from vramshare_e2e.cluster import Component, LocalCluster, http_ok, free_port
+from vramshare_e2e.cluster import Component, LocalCluster, free_port, http_ok
 from vramshare_e2e.fleet import Fleet
 
 WEBHOOK_NAME = "gpu-mem.vramshare.io"
