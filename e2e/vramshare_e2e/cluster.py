@@ -29,7 +29,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -497,11 +497,8 @@ class LocalCluster:
         return all(node.name in ready for node in self.settings.fleet.nodes)
 
     def _prometheus_has_fleet(self) -> bool:
-        result = self.prometheus_query("count(DCGM_FI_DEV_FB_FREE)")
-        if not result:
-            expected = sum(len(n.gpus) for n in self.settings.fleet.nodes)
-            return expected == 0
-        return int(float(result[0]["value"][1])) == sum(len(n.gpus) for n in self.settings.fleet.nodes)
+        series = self.prometheus_query("DCGM_FI_DEV_FB_FREE")
+        return len(series) == len(self.settings.fleet.all_gpus())
 
     def prometheus_query(self, promql: str) -> list[dict[str, Any]]:
         url = f"{self.prometheus_url}/api/v1/query?" + urllib.parse.urlencode({"query": promql})
@@ -643,13 +640,6 @@ class LocalCluster:
         )
 
 
-@contextlib.contextmanager
-def running_cluster(settings: ClusterSettings | None = None) -> Iterator[LocalCluster]:
-    cluster = LocalCluster.start(settings=settings)
-    with cluster:
-        yield cluster
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Run vramshare's local control plane in the foreground.")
     parser.add_argument("--workdir", type=Path, help="keep certificates, data and logs here")
@@ -668,7 +658,7 @@ def main(argv: list[str] | None = None) -> None:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    with running_cluster(settings) as cluster:
+    with LocalCluster.start(settings=settings) as cluster:
         print(cluster.describe(), flush=True)
         print("Ctrl-C stops everything.", flush=True)
         while not stop:

@@ -156,75 +156,36 @@ def test_hide_gpus_sets_none_everywhere() -> None:
         assert env(c) == [("NVIDIA_VISIBLE_DEVICES", "none")]
 
 
+def hostname_terms(*terms: list[str]) -> dict[str, Any]:
+    """A required node affinity with one term per list, each allowing those hostnames."""
+    return {
+        "affinity": {
+            "nodeAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": {
+                    "nodeSelectorTerms": [
+                        {
+                            "matchExpressions": [
+                                {"key": "kubernetes.io/hostname", "operator": "In", "values": hosts}
+                            ]
+                        }
+                        for hosts in terms
+                    ]
+                }
+            }
+        }
+    }
+
+
 @pytest.mark.parametrize(
     ("spec", "node"),
     [
         ({}, None),
         ({"nodeName": "n1"}, "n1"),
         ({"nodeSelector": {"kubernetes.io/hostname": "n2"}}, "n2"),
-        (
-            {
-                "affinity": {
-                    "nodeAffinity": {
-                        "requiredDuringSchedulingIgnoredDuringExecution": {
-                            "nodeSelectorTerms": [
-                                {
-                                    "matchExpressions": [
-                                        {"key": "kubernetes.io/hostname", "operator": "In", "values": ["n3"]}
-                                    ]
-                                }
-                            ]
-                        }
-                    }
-                }
-            },
-            "n3",
-        ),
-        (
-            {
-                "affinity": {
-                    "nodeAffinity": {
-                        "requiredDuringSchedulingIgnoredDuringExecution": {
-                            "nodeSelectorTerms": [
-                                {
-                                    "matchExpressions": [
-                                        {
-                                            "key": "kubernetes.io/hostname",
-                                            "operator": "In",
-                                            "values": ["n3", "n4"],
-                                        }
-                                    ]
-                                }
-                            ]
-                        }
-                    }
-                }
-            },
-            None,
-        ),
-        (
-            {
-                "affinity": {
-                    "nodeAffinity": {
-                        "requiredDuringSchedulingIgnoredDuringExecution": {
-                            "nodeSelectorTerms": [
-                                {
-                                    "matchExpressions": [
-                                        {"key": "kubernetes.io/hostname", "operator": "In", "values": ["n3"]}
-                                    ]
-                                },
-                                {
-                                    "matchExpressions": [
-                                        {"key": "kubernetes.io/hostname", "operator": "In", "values": ["n4"]}
-                                    ]
-                                },
-                            ]
-                        }
-                    }
-                }
-            },
-            None,
-        ),
+        (hostname_terms(["n3"]), "n3"),
+        (hostname_terms(["n3"], ["n3"]), "n3"),
+        (hostname_terms(["n3", "n4"]), None),
+        (hostname_terms(["n3"], ["n4"]), None),
     ],
 )
 def test_pinned_node(spec: dict[str, Any], node: str | None) -> None:
