@@ -17,6 +17,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from vramshare_webhook.certificates import new_ca
+
 _VALIDITY = dt.timedelta(days=7)
 
 
@@ -43,35 +45,7 @@ class CertificateAuthority:
     def __init__(self, directory: Path, *, name: str = "vramshare-e2e-ca") -> None:
         self.directory = directory
         directory.mkdir(parents=True, exist_ok=True)
-        self._key = ec.generate_private_key(ec.SECP256R1())
-        now = dt.datetime.now(dt.UTC)
-        subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
-        self.cert = (
-            x509.CertificateBuilder()
-            .subject_name(subject)
-            .issuer_name(subject)
-            .public_key(self._key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - dt.timedelta(minutes=5))
-            .not_valid_after(now + _VALIDITY)
-            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-            .add_extension(
-                x509.KeyUsage(
-                    digital_signature=True,
-                    content_commitment=False,
-                    key_encipherment=False,
-                    data_encipherment=False,
-                    key_agreement=False,
-                    key_cert_sign=True,
-                    crl_sign=True,
-                    encipher_only=False,
-                    decipher_only=False,
-                ),
-                critical=True,
-            )
-            .add_extension(x509.SubjectKeyIdentifier.from_public_key(self._key.public_key()), critical=False)
-            .sign(self._key, hashes.SHA256())
-        )
+        self.cert, self._key = new_ca(common_name=name, now=dt.datetime.now(dt.UTC), validity=_VALIDITY)
         self.cert_path = directory / "ca.crt"
         self.cert_path.write_bytes(self.cert_pem)
         _write_key(directory / "ca.key", self._key)

@@ -21,10 +21,15 @@ WEBHOOK_NAME = "gpu-mem.vramshare.io"
 
 
 def start_webhook(
-    cluster: LocalCluster, *, name: str, env: Mapping[str, str] | None = None, kubeconfig: Path | None = None
+    cluster: LocalCluster,
+    *,
+    name: str,
+    env: Mapping[str, str] | None = None,
+    kubeconfig: Path | None = None,
+    port: int | None = None,
 ) -> tuple[Component, int]:
-    """Start one webhook replica over TLS on a free port; returns it (a cluster component) and the port."""
-    port = free_port()
+    """Start one webhook replica over TLS (on a free port unless given); returns it and the port."""
+    port = port or free_port()
     pair = cluster.ca.issue(
         f"webhook-{name}",
         common_name="vramshare-webhook",
@@ -41,7 +46,10 @@ def start_webhook(
         "PYTHONUNBUFFERED": "1",
         **(env or {}),
     }
-    ctx = ssl.create_default_context(cafile=str(cluster.ca.cert_path))
+    # The probe checks readiness only; in the self-managed TLS mode the webhook's CA is its own.
+    ctx = ssl.create_default_context()
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
     component = Component(
         name=name,
         argv=[sys.executable, "-m", "vramshare_webhook"],

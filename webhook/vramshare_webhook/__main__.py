@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import sys
+import tempfile
 from pathlib import Path
 
 import structlog
@@ -15,19 +17,42 @@ from vramshare.kube.ledger import KubeLedger
 from vramshare_webhook.admission import Admitter
 from vramshare_webhook.app import create_app
 from vramshare_webhook.metrics import WebhookMetrics
-from vramshare_webhook.settings import SettingsError, WebhookSettings
-from vramshare_webhook.tls import ReloadingTls
+from vramshare_webhook.settings import SettingsError, TlsMode, WebhookSettings
+from vramshare_webhook.tls import ReloadingTls, SecretTls
 
 log = structlog.get_logger("vramshare.webhook")
 
 
+async def _certificates(settings: WebhookSettings, kube: KubeClient) -> tuple[ReloadingTls, SecretTls | None]:
+    """The serving certificate per the TLS mode; in the Secret modes, keep trying until it is there."""
+    if settings.tls_mode is TlsMode.FILES:
+        return ReloadingTls(
+            cert_file=Path(settings.tls_cert_file), key_file=Path(settings.tls_key_file)
+        ), None
+    secret = SecretTls(
+        kube=kube,
+        namespace=settings.namespace,
+        secret=settings.tls_secret,
+        directory=Path(tempfile.mkdtemp(prefix="vramshare-tls-")),
+        manage=settings.tls_mode is TlsMode.SELF_MANAGED,
+        names=settings.tls_name_list,
+        webhook_configuration=settings.webhook_configuration,
+        serving_validity=dt.timedelta(seconds=settings.tls_serving_validity_s),
+    )
+    while True:
+        try:
+            await secret.sync()
+            return ReloadingTls(cert_file=secret.cert_file, key_file=secret.key_file), secret
+        except Exception as exc:  # e.g. RBAC not there yet, or the webhook configuration not applied
+            log.warning("waiting for the serving certificate", mode=settings.tls_mode.value, error=str(exc))
+            await asyncio.sleep(2)
+
+
 async def serve(settings: WebhookSettings) -> None:
-    if not settings.tls_cert_file:
-        raise SettingsError("VRAMSHARE_TLS_CERT_FILE and VRAMSHARE_TLS_KEY_FILE are required")
-    tls = ReloadingTls(cert_file=Path(settings.tls_cert_file), key_file=Path(settings.tls_key_file))
     connection = Connection.load(kubeconfig=settings.kubeconfig or None)
     async with KubeClient(connection, user_agent="vramshare-webhook") as kube:
         ledger = KubeLedger(kube)
+        tls, secret = await _certificates(settings, kube)
         synced = asyncio.Event()
 
         async def sync() -> None:
@@ -42,14 +67,26 @@ async def serve(settings: WebhookSettings) -> None:
                 synced.set()
                 return
 
+        def ready() -> bool:
+            return synced.is_set() and (secret is None or not secret.manage or secret.injected)
+
         admitter = Admitter(settings=settings, ledger=ledger, metrics=WebhookMetrics())
-        app = create_app(admitter=admitter, ready=synced.is_set)
-        runner = web.AppRunner(app, access_log=None)
+        runner = web.AppRunner(create_app(admitter=admitter, ready=ready), access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, settings.host, settings.port, ssl_context=tls.context, backlog=512)
         await site.start()
-        log.info("serving", host=settings.host, port=settings.port, policy=settings.policy.value)
-        tasks = [asyncio.create_task(sync()), asyncio.create_task(tls.watch())]
+        log.info(
+            "serving",
+            host=settings.host,
+            port=settings.port,
+            policy=settings.policy.value,
+            tls_mode=settings.tls_mode.value,
+        )
+        tasks = [asyncio.create_task(sync())]
+        if secret is None:
+            tasks.append(asyncio.create_task(tls.watch()))
+        else:
+            tasks.append(asyncio.create_task(secret.run(tls=tls, interval_s=settings.tls_sync_interval_s)))
         try:
             await asyncio.Event().wait()
         finally:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
+from enum import StrEnum
 from typing import Any
 
 from vramshare.domain import DEFAULT_ANNOTATION, DEFAULT_MAX_MIB, AllocationSettings, Policy, StaleGpuMode
@@ -17,6 +18,16 @@ from vramshare.domain import DEFAULT_ANNOTATION, DEFAULT_MAX_MIB, AllocationSett
 
 class SettingsError(ValueError):
     pass
+
+
+class TlsMode(StrEnum):
+    FILES = "files"
+    """VRAMSHARE_TLS_CERT_FILE/_KEY_FILE (a mounted Secret, e.g. cert-manager's), reloaded on change."""
+    SECRET = "secret"
+    """Read tls.crt/tls.key from the Secret VRAMSHARE_TLS_SECRET through the API and follow its changes."""
+    SELF_MANAGED = "self-managed"
+    """Make a CA and serving certificate, keep them in that Secret, inject the CA into the webhook
+    configuration's caBundle, renew before expiry."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -38,8 +49,19 @@ class WebhookSettings:
     """Give up retrying conflicts after this long; keep it below the webhook's timeoutSeconds."""
     host: str = "0.0.0.0"
     port: int = 8443
+    tls_mode: TlsMode = TlsMode.FILES
     tls_cert_file: str = ""
     tls_key_file: str = ""
+    tls_secret: str = "vramshare-webhook-tls"
+    tls_names: str = ""
+    """Comma-separated DNS names and IPs the API server reaches the webhook by (self-managed mode)."""
+    tls_serving_validity_s: float = 365 * 86400.0
+    """Lifetime of a self-managed serving certificate; it is renewed when a third of it is left."""
+    tls_sync_interval_s: float = 30.0
+    webhook_configuration: str = "vramshare"
+    """The MutatingWebhookConfiguration whose caBundle the self-managed mode keeps."""
+    namespace: str = "vramshare"
+    """The webhook's own namespace (where its TLS Secret lives); the chart sets it from the pod."""
     kubeconfig: str = ""
     """Empty: the in-cluster service account."""
     log_level: str = "info"
@@ -70,11 +92,23 @@ class WebhookSettings:
             raise bad("safety_margin_mib", self.safety_margin_mib, "0 or more MiB")
         if not 0 < self.decision_deadline_s <= 29:
             raise bad("decision_deadline_s", self.decision_deadline_s, "seconds between 0 and 29")
-        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+        if self.tls_mode is TlsMode.FILES and not (self.tls_cert_file and self.tls_key_file):
             raise bad(
-                "tls_cert_file", self.tls_cert_file, "both VRAMSHARE_TLS_CERT_FILE and _KEY_FILE, or neither"
+                "tls_cert_file",
+                self.tls_cert_file,
+                "both VRAMSHARE_TLS_CERT_FILE and VRAMSHARE_TLS_KEY_FILE in the files TLS mode",
             )
+        if self.tls_mode is TlsMode.SELF_MANAGED and not self.tls_name_list:
+            raise bad(
+                "tls_names", self.tls_names, "the DNS names or IPs the webhook is reached by, comma-separated"
+            )
+        if self.tls_serving_validity_s < 60:
+            raise bad("tls_serving_validity_s", self.tls_serving_validity_s, "at least 60 seconds")
         return self
+
+    @property
+    def tls_name_list(self) -> tuple[str, ...]:
+        return tuple(n.strip() for n in self.tls_names.split(",") if n.strip())
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> WebhookSettings:
@@ -92,7 +126,7 @@ class WebhookSettings:
                     if raw.lower() not in ("true", "false", "1", "0", "yes", "no"):
                         raise ValueError
                     changes[f.name] = raw.lower() in ("true", "1", "yes")
-                elif isinstance(current, Policy | StaleGpuMode):
+                elif isinstance(current, StrEnum):
                     changes[f.name] = type(current)(raw)
                 elif isinstance(current, int):
                     changes[f.name] = int(raw)
@@ -107,6 +141,7 @@ class WebhookSettings:
                     float: "a number",
                     Policy: "one of " + ", ".join(p.value for p in Policy),
                     StaleGpuMode: "one of " + ", ".join(m.value for m in StaleGpuMode),
+                    TlsMode: "one of " + ", ".join(m.value for m in TlsMode),
                 }.get(type(current), "text")
                 raise SettingsError(f"{key}={raw!r} is not valid: expected {accepted}") from None
         return replace(settings, **changes).validate()

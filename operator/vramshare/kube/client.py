@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import ssl
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self
@@ -156,6 +156,13 @@ class KubeClient:
 
     async def create(self, path: str, obj: Obj, *, dry_run: bool = False) -> Obj:
         return await self.request("POST", path, body=obj, params={"dryRun": "All"} if dry_run else None)
+
+    async def replace(self, path: str, obj: Obj) -> Obj:
+        """PUT: fails with 409 when obj's metadata.resourceVersion is no longer current."""
+        return await self.request("PUT", path, body=obj)
+
+    async def json_patch(self, path: str, operations: Sequence[Obj]) -> Obj:
+        return await self.request("PATCH", path, body=operations, content_type="application/json-patch+json")
 
     async def merge_patch(self, path: str, patch: Obj) -> Obj:
         return await self.request("PATCH", path, body=patch, content_type="application/merge-patch+json")

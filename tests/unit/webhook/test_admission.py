@@ -172,6 +172,9 @@ async def test_internal_failure_is_a_well_formed_errored_answer() -> None:
     assert "API server unreachable" in review["response"]["status"]["message"]
 
 
+TLS_FILES = {"VRAMSHARE_TLS_CERT_FILE": "/tls/tls.crt", "VRAMSHARE_TLS_KEY_FILE": "/tls/tls.key"}
+
+
 def test_settings_from_env_and_their_errors() -> None:
     s = WebhookSettings.from_env(
         {
@@ -179,12 +182,30 @@ def test_settings_from_env_and_their_errors() -> None:
             "VRAMSHARE_DENIAL_CODE": "429",
             "VRAMSHARE_HIDE_GPUS": "false",
             "VRAMSHARE_SETTLE_S": "30",
+            **TLS_FILES,
         }
     )
     assert (s.policy.value, s.denial_code, s.hide_gpus, s.settle_s) == ("binpack", 429, False, 30.0)
     with pytest.raises(
         SettingsError, match=r"VRAMSHARE_POLICY='pack' is not valid: expected one of spread, binpack"
     ):
-        WebhookSettings.from_env({"VRAMSHARE_POLICY": "pack"})
+        WebhookSettings.from_env({"VRAMSHARE_POLICY": "pack", **TLS_FILES})
     with pytest.raises(SettingsError, match=r"VRAMSHARE_DENIAL_CODE=500 is not valid: expected 403 or 429"):
-        WebhookSettings.from_env({"VRAMSHARE_DENIAL_CODE": "500"})
+        WebhookSettings.from_env({"VRAMSHARE_DENIAL_CODE": "500", **TLS_FILES})
+    with pytest.raises(SettingsError, match=r"VRAMSHARE_TLS_CERT_FILE='' is not valid: expected both"):
+        WebhookSettings.from_env({})
+    with pytest.raises(
+        SettingsError, match=r"VRAMSHARE_TLS_MODE='acme' is not valid: expected one of files, secret"
+    ):
+        WebhookSettings.from_env({"VRAMSHARE_TLS_MODE": "acme"})
+    with pytest.raises(
+        SettingsError, match=r"VRAMSHARE_TLS_NAMES='' is not valid: expected the DNS names or IPs"
+    ):
+        WebhookSettings.from_env({"VRAMSHARE_TLS_MODE": "self-managed"})
+    managed = WebhookSettings.from_env(
+        {
+            "VRAMSHARE_TLS_MODE": "self-managed",
+            "VRAMSHARE_TLS_NAMES": " vramshare-webhook.vramshare.svc, 127.0.0.1 ",
+        }
+    )
+    assert managed.tls_name_list == ("vramshare-webhook.vramshare.svc", "127.0.0.1")

@@ -1,0 +1,96 @@
+"""The HTTP surface: guards answer 400, decisions are well-formed reviews, probes and metrics, one log line
+per decision. Served for real by aiohttp's test server, with the in-memory ledger behind it."""
+
+from __future__ import annotations
+
+import json
+
+from aiohttp.test_utils import TestClient, TestServer
+from structlog.testing import capture_logs
+
+from tests.unit.webhook.test_admission import MemoryLedger, admitter
+from vramshare_webhook import review as rv
+from vramshare_webhook.app import create_app
+
+
+def review_body(uid: str = "u1", mib: str = "4096") -> bytes:
+    pod = {
+        "metadata": {"name": "task", "annotations": {"gpu-mem-mb": mib}},
+        "spec": {"containers": [{"name": "base"}]},
+    }
+    return json.dumps(
+        {
+            "apiVersion": "admission.k8s.io/v1",
+            "kind": "AdmissionReview",
+            "request": {
+                "uid": uid,
+                "operation": "CREATE",
+                "kind": {"kind": "Pod"},
+                "namespace": "airflow",
+                "object": pod,
+            },
+        }
+    ).encode()
+
+
+async def test_guards_answer_400_and_the_server_keeps_serving() -> None:
+    ready = {"value": False}
+    app = create_app(admitter=admitter(MemoryLedger()), ready=lambda: ready["value"])
+    async with TestClient(TestServer(app)) as http:
+        json_type = {"Content-Type": "application/json"}
+        for body, headers in [
+            (b"", json_type),
+            (b"{not json", json_type),
+            (review_body(), {"Content-Type": "text/plain"}),
+            (b"x" * (8 * 1024 * 1024), json_type),
+        ]:
+            resp = await http.post("/mutate", data=body, headers=headers)
+            assert resp.status == 400
+            assert "error" in await resp.json()
+        resp = await http.post("/mutate", data=review_body(), headers=json_type)
+        assert resp.status == 200
+        answer = await resp.json()
+        assert answer["response"]["uid"] == "u1"
+        assert answer["response"]["allowed"] is True
+        assert (await http.get("/healthz")).status == 200
+        assert (await http.get("/readyz")).status == 503
+        ready["value"] = True
+        assert (await http.get("/readyz")).status == 200
+        metrics = await (await http.get("/metrics")).text()
+        assert 'vramshare_webhook_decisions_total{outcome="admitted",reason="fits"} 1.0' in metrics
+        assert 'vramshare_webhook_decisions_total{outcome="bad-request",reason="undecodable"} 4.0' in metrics
+        assert "vramshare_webhook_decision_seconds_bucket" in metrics
+
+
+async def test_internal_failure_still_answers_a_review_with_the_uid() -> None:
+    app = create_app(admitter=admitter(MemoryLedger(fail=ConnectionError("no route"))), ready=lambda: True)
+    async with TestClient(TestServer(app)) as http:
+        resp = await http.post(
+            "/mutate", data=review_body(uid="u42"), headers={"Content-Type": "application/json"}
+        )
+        assert resp.status == 200
+        answer = await resp.json()
+    assert answer["response"] == {
+        "uid": "u42",
+        "allowed": False,
+        "status": {"code": 500, "message": "vramshare could not decide: no route", "reason": "InternalError"},
+    }
+
+
+async def test_one_log_line_per_decision_with_its_facts() -> None:
+    with capture_logs() as logs:
+        await admitter(MemoryLedger()).review(
+            rv.decode(review_body(uid="u5"), content_type="application/json")
+        )
+    decisions = [e for e in logs if e["event"] == "decision"]
+    assert len(decisions) == 1
+    line = decisions[0]
+    assert (line["uid"], line["pod"], line["mib"], line["outcome"], line["reason"]) == (
+        "u5",
+        "airflow/task",
+        4096,
+        "admitted",
+        "fits",
+    )
+    assert line["gpu"] == "GPU-a"
+    assert line["duration_ms"] >= 0
