@@ -14,10 +14,11 @@ from aiohttp import web
 from vramshare import logs
 from vramshare.kube.client import Connection, KubeClient
 from vramshare.kube.ledger import KubeLedger
+from vramshare.settings import SettingsError
 from vramshare_webhook.admission import Admitter
 from vramshare_webhook.app import create_app
 from vramshare_webhook.metrics import WebhookMetrics
-from vramshare_webhook.settings import SettingsError, TlsMode, WebhookSettings
+from vramshare_webhook.settings import TlsMode, WebhookSettings
 from vramshare_webhook.tls import ReloadingTls, SecretTls
 
 log = structlog.get_logger("vramshare.webhook")

@@ -7,17 +7,12 @@ process with a message naming the variable, the value and what is accepted.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
 
 from vramshare.domain import DEFAULT_ANNOTATION, DEFAULT_MAX_MIB, AllocationSettings, Policy, StaleGpuMode
-
-
-class SettingsError(ValueError):
-    pass
+from vramshare.settings import from_env, invalid
 
 
 class TlsMode(StrEnum):
@@ -83,27 +78,24 @@ class WebhookSettings:
         return "The pod was not created; Airflow retries the task after its retry_delay."
 
     def validate(self) -> WebhookSettings:
-        def bad(name: str, value: object, accepted: str) -> SettingsError:
-            return SettingsError(f"VRAMSHARE_{name.upper()}={value!r} is not valid: expected {accepted}")
-
         if self.denial_code not in (403, 429):
-            raise bad("denial_code", self.denial_code, "403 or 429")
+            raise invalid("denial_code", self.denial_code, "403 or 429")
         if self.safety_margin_mib < 0:
-            raise bad("safety_margin_mib", self.safety_margin_mib, "0 or more MiB")
+            raise invalid("safety_margin_mib", self.safety_margin_mib, "0 or more MiB")
         if not 0 < self.decision_deadline_s <= 29:
-            raise bad("decision_deadline_s", self.decision_deadline_s, "seconds between 0 and 29")
+            raise invalid("decision_deadline_s", self.decision_deadline_s, "seconds between 0 and 29")
         if self.tls_mode is TlsMode.FILES and not (self.tls_cert_file and self.tls_key_file):
-            raise bad(
+            raise invalid(
                 "tls_cert_file",
                 self.tls_cert_file,
                 "both VRAMSHARE_TLS_CERT_FILE and VRAMSHARE_TLS_KEY_FILE in the files TLS mode",
             )
         if self.tls_mode is TlsMode.SELF_MANAGED and not self.tls_name_list:
-            raise bad(
+            raise invalid(
                 "tls_names", self.tls_names, "the DNS names or IPs the webhook is reached by, comma-separated"
             )
         if self.tls_serving_validity_s < 60:
-            raise bad("tls_serving_validity_s", self.tls_serving_validity_s, "at least 60 seconds")
+            raise invalid("tls_serving_validity_s", self.tls_serving_validity_s, "at least 60 seconds")
         return self
 
     @property
@@ -112,36 +104,4 @@ class WebhookSettings:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> WebhookSettings:
-        env = os.environ if env is None else env
-        settings = cls()
-        changes: dict[str, Any] = {}
-        for f in fields(cls):
-            key = f"VRAMSHARE_{f.name.upper()}"
-            if key not in env:
-                continue
-            raw = env[key]
-            current = getattr(settings, f.name)
-            try:
-                if isinstance(current, bool):
-                    if raw.lower() not in ("true", "false", "1", "0", "yes", "no"):
-                        raise ValueError
-                    changes[f.name] = raw.lower() in ("true", "1", "yes")
-                elif isinstance(current, StrEnum):
-                    changes[f.name] = type(current)(raw)
-                elif isinstance(current, int):
-                    changes[f.name] = int(raw)
-                elif isinstance(current, float):
-                    changes[f.name] = float(raw)
-                else:
-                    changes[f.name] = raw
-            except ValueError:
-                accepted = {
-                    bool: "true or false",
-                    int: "a whole number",
-                    float: "a number",
-                    Policy: "one of " + ", ".join(p.value for p in Policy),
-                    StaleGpuMode: "one of " + ", ".join(m.value for m in StaleGpuMode),
-                    TlsMode: "one of " + ", ".join(m.value for m in TlsMode),
-                }.get(type(current), "text")
-                raise SettingsError(f"{key}={raw!r} is not valid: expected {accepted}") from None
-        return replace(settings, **changes).validate()
+        return from_env(cls(), env).validate()

@@ -11,10 +11,11 @@ import pytest
 from tests.unit.domain.builders import NOW, gpu
 from vramshare.kube.ledger import CommitConflictError, Snapshot
 from vramshare.kube.resources import reservation_from_object
+from vramshare.settings import SettingsError
 from vramshare_webhook import review as rv
 from vramshare_webhook.admission import Admitter
 from vramshare_webhook.metrics import WebhookMetrics
-from vramshare_webhook.settings import SettingsError, WebhookSettings
+from vramshare_webhook.settings import WebhookSettings
 
 
 class MemoryLedger:

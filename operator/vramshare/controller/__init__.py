@@ -1,0 +1,1 @@
+"""The vramshare controller: GPU inventory from DCGM, and the reservation lifecycle (kopf)."""

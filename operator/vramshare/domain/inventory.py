@@ -1,0 +1,146 @@
+"""The GPU inventory: what one DCGM reading plus what was known before says about every GPU.
+
+A GPU is Ready while its latest sample is younger than the maximum age, Stale when older, and Missing
+when its UUID has not been reported for a grace period *while its node's exporter still reports other
+GPUs* (a card pulled or replaced), or when its node is gone. An exporter or Prometheus outage silences
+a whole node: its GPUs go Stale, never Missing, so an outage cannot mark reservations Lost.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
+from enum import StrEnum
+
+from vramshare.domain.headroom import Headroom, headroom
+from vramshare.domain.models import Gpu, Reservation
+
+
+class DeviceState(StrEnum):
+    READY = "Ready"
+    STALE = "Stale"
+    MISSING = "Missing"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Sample:
+    """One GPU in one DCGM reading (DCGM_FI_DEV_FB_* gauges and their labels)."""
+
+    uuid: str
+    node: str
+    index: int
+    model: str
+    free_mib: int
+    used_mib: int
+    driver_reserved_mib: int | None
+    """None where the exporter does not publish DCGM_FI_DEV_FB_RESERVED."""
+    sampled_at: float
+
+    def to_gpu(self) -> Gpu:
+        total = self.free_mib + self.used_mib + (self.driver_reserved_mib or 0)
+        return Gpu(
+            uuid=self.uuid,
+            node=self.node,
+            index=self.index,
+            model=self.model,
+            total_mib=total,
+            used_mib=self.used_mib,
+            free_mib=self.free_mib,
+            sampled_at=self.sampled_at,
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Known:
+    """A GPU as the inventory recorded it before this reading."""
+
+    gpu: Gpu
+    last_seen_at: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class InventorySettings:
+    max_sample_age_s: float = 120.0
+    missing_grace_s: float = 60.0
+    settle_s: float = 60.0
+    safety_margin_mib: int = 512
+    ledger_only_when_stale: bool = False
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DeviceStatus:
+    gpu: Gpu
+    last_seen_at: float
+    state: DeviceState
+    message: str
+    headroom: Headroom
+    overused_mib: int
+    """Live usage beyond the active reservations plus the margin (0 when within); only for Ready GPUs."""
+
+
+def observe(
+    *,
+    known: Iterable[Known],
+    samples: Sequence[Sample],
+    reservations: Sequence[Reservation],
+    nodes: set[str] | None,
+    now: float,
+    settings: InventorySettings,
+) -> list[DeviceStatus]:
+    """The status of every GPU, known or newly sampled, after this reading.
+
+    `nodes` are the Kubernetes nodes that exist (None when unknown: then no GPU is judged gone for
+    lack of a node).
+    """
+    sampled = {s.uuid: s for s in samples}
+    reporting_nodes = {s.node for s in samples if now - s.sampled_at <= settings.max_sample_age_s}
+    previous = {k.gpu.uuid: k for k in known}
+    active = [r for r in reservations if r.is_active]
+    out = []
+    for uuid in sorted(set(previous) | set(sampled)):
+        if uuid in sampled:
+            gpu, last_seen = sampled[uuid].to_gpu(), now
+        else:
+            gpu, last_seen = previous[uuid].gpu, previous[uuid].last_seen_at
+        age = now - gpu.sampled_at
+        if nodes is not None and gpu.node not in nodes:
+            state, message = DeviceState.MISSING, f"node {gpu.node} no longer exists"
+        elif (
+            uuid not in sampled
+            and gpu.node in reporting_nodes
+            and now - last_seen >= settings.missing_grace_s
+        ):
+            state = DeviceState.MISSING
+            message = (
+                f"not reported for {now - last_seen:.0f} s while node {gpu.node} reports other GPUs "
+                "(removed or replaced)"
+            )
+        elif age > settings.max_sample_age_s:
+            state = DeviceState.STALE
+            message = f"latest sample is {age:.0f} s old (max {settings.max_sample_age_s:g} s)"
+        else:
+            state, message = DeviceState.READY, "fresh DCGM sample"
+        gpu = replace(gpu, missing=state is DeviceState.MISSING)
+        room = headroom(
+            gpu,
+            active,
+            settle_s=settings.settle_s,
+            safety_margin_mib=settings.safety_margin_mib,
+            ledger_only=state is DeviceState.STALE and settings.ledger_only_when_stale,
+        )
+        if state is DeviceState.MISSING:
+            room = replace(room, headroom_mib=0)
+        overused = 0
+        if state is DeviceState.READY:
+            overused = max(0, gpu.used_mib - room.reserved_mib - settings.safety_margin_mib)
+        out.append(
+            DeviceStatus(
+                gpu=gpu,
+                last_seen_at=last_seen,
+                state=state,
+                message=message,
+                headroom=room,
+                overused_mib=overused,
+            )
+        )
+    return out
