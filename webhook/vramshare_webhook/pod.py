@@ -3,7 +3,8 @@
 The patch pins a pod to one GPU: `NVIDIA_VISIBLE_DEVICES=<UUID>` and `CUDA_VISIBLE_DEVICES=0` in every
 container and init container (replacing values the user set, never duplicating an entry), a required
 node affinity to the GPU's node ANDed into every existing term, and vramshare's annotations (which
-replace any `vramshare.io/*` annotation the user wrote). Whole lists and maps are replaced in one
+replace any `vramshare.io/*` annotation the user wrote) plus the label `vramshare.io/reservation`, by
+which the controller lists GPU pods. Whole lists and maps are replaced in one
 operation each, which is simpler to get right than editing entries in place.
 """
 
@@ -19,6 +20,7 @@ from vramshare.kube.resources import (
     ANNOTATION_NODE,
     ANNOTATION_PREFIX,
     ANNOTATION_RESERVATION,
+    LABEL_RESERVATION,
 )
 
 Obj = dict[str, Any]
@@ -162,6 +164,19 @@ def placement_patch(pod: Obj, placement: Placement) -> list[Operation]:
     }
     kept = {k: v for k, v in pod_annotations(pod).items() if not k.startswith(ANNOTATION_PREFIX)}
     ops.append({"op": "add", "path": pointer("metadata", "annotations"), "value": {**kept, **ours}})
+    labels = pod.get("metadata", {}).get("labels")
+    labels = {
+        k: v
+        for k, v in (labels if isinstance(labels, dict) else {}).items()
+        if not k.startswith(ANNOTATION_PREFIX)
+    }
+    ops.append(
+        {
+            "op": "add",
+            "path": pointer("metadata", "labels"),
+            "value": {**labels, LABEL_RESERVATION: placement.reservation},
+        }
+    )
     return ops
 
 

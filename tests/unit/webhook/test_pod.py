@@ -139,7 +139,15 @@ def test_annotations_replace_user_set_vramshare_keys_and_keep_others() -> None:
         "vramshare.io/node": "gpu-node-a",
     }
     assert placement_of(out) == PLACE
+    assert out["metadata"]["labels"] == {"vramshare.io/reservation": "task-1-abcd"}
     assert sorted(spoofed(p)) == ["annotation vramshare.io/gpu-uuid", "annotation vramshare.io/x"]
+
+
+def test_reservation_label_replaces_user_set_vramshare_labels_and_keeps_others() -> None:
+    p = pod()
+    p["metadata"]["labels"] = {"app": "train", "vramshare.io/reservation": "stolen", "vramshare.io/x": "1"}
+    out = apply(p, placement_patch(p, PLACE))
+    assert out["metadata"]["labels"] == {"app": "train", "vramshare.io/reservation": "task-1-abcd"}
 
 
 def test_pod_without_annotations_map_gets_one() -> None:

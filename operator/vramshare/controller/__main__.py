@@ -1,0 +1,110 @@
+"""`vramshare-controller`: keep the GPU inventory and the reservation lifecycle (settings from
+VRAMSHARE_* environment variables). Several replicas may run; the one holding the Lease acts."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import sys
+from typing import Any
+
+import kopf
+import structlog
+from prometheus_client import start_http_server
+
+from vramshare import logs
+from vramshare.controller.inventory import Controller
+from vramshare.controller.leader import LeadershipLostError, LeaseElector
+from vramshare.controller.metrics import ControllerMetrics
+from vramshare.controller.settings import ControllerSettings
+from vramshare.kube.client import Connection, KubeClient
+from vramshare.kube.resources import LABEL_RESERVATION
+from vramshare.prometheus import DcgmSource
+from vramshare.settings import SettingsError
+
+log = structlog.get_logger("vramshare.controller")
+
+
+def kopf_registry(controller: Controller) -> kopf.OperatorRegistry:
+    """kopf watches the pods vramshare admitted and hands every change to the controller at once."""
+    registry = kopf.OperatorRegistry()
+
+    @kopf.on.startup(registry=registry)
+    def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+        settings.posting.enabled = False  # vramshare posts its own, worded events
+        settings.watching.server_timeout = 300
+
+    @kopf.on.login(registry=registry)
+    def login(**kwargs: Any) -> Any:
+        return kopf.login_via_client(**kwargs)
+
+    @kopf.on.event("pods", labels={LABEL_RESERVATION: kopf.PRESENT}, registry=registry)
+    async def pod_changed(**event: Any) -> None:
+        await controller.reconcile_pod(dict(event["body"]), deleted=event["type"] == "DELETED")
+
+    return registry
+
+
+async def run(settings: ControllerSettings) -> None:
+    metrics = ControllerMetrics()
+    start_http_server(settings.metrics_port, registry=metrics.registry)
+    connection = Connection.load(kubeconfig=settings.kubeconfig or None)
+    async with KubeClient(connection, user_agent="vramshare-controller") as kube:
+        elector = LeaseElector(
+            kube=kube,
+            namespace=settings.namespace,
+            name=settings.lease_name,
+            identity=settings.identity,
+            duration_s=settings.lease_duration_s,
+        )
+        await elector.acquire()
+        metrics.leader.set(1)
+        source = DcgmSource(
+            url=settings.prometheus_url, node_label=settings.node_label, selector=settings.metrics_selector
+        )
+        controller = Controller(kube=kube, source=source, settings=settings, metrics=metrics)
+        stop = asyncio.Event()
+        tasks = [
+            asyncio.create_task(elector.hold(), name="lease"),
+            asyncio.create_task(controller.run_inventory(), name="inventory"),
+            asyncio.create_task(controller.run_sweeps(), name="sweeps"),
+            asyncio.create_task(
+                kopf.operator(
+                    registry=kopf_registry(controller), standalone=True, clusterwide=True, stop_flag=stop
+                ),
+                name="kopf",
+            ),
+        ]
+        try:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                task.result()  # re-raise what ended it (LeadershipLostError above all)
+        finally:
+            stop.set()
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def main() -> None:
+    try:
+        settings = ControllerSettings.from_env()
+    except SettingsError as exc:
+        print(f"vramshare-controller: {exc}", file=sys.stderr)
+        sys.exit(2)
+    logs.configure(level=settings.log_level)
+    logging.getLogger("kopf").setLevel(logging.WARNING)
+    if settings.kubeconfig:
+        os.environ["KUBECONFIG"] = settings.kubeconfig  # for kopf's login through the kubernetes client
+    try:
+        asyncio.run(run(settings))
+    except LeadershipLostError as exc:
+        log.error("stopping: leadership lost", error=str(exc))
+        sys.exit(1)
+    except KeyboardInterrupt:
+        pass
+
+
+if __name__ == "__main__":
+    main()

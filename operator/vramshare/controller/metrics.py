@@ -1,0 +1,55 @@
+"""The controller's Prometheus metrics."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+
+class ControllerMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        gpu = ["node", "uuid"]
+        self.total = Gauge(
+            "vramshare_gpu_total_mib", "GPU framebuffer memory, MiB.", gpu, registry=self.registry
+        )
+        self.used = Gauge(
+            "vramshare_gpu_used_mib",
+            "Used framebuffer memory in the latest sample, MiB.",
+            gpu,
+            registry=self.registry,
+        )
+        self.reserved = Gauge(
+            "vramshare_gpu_reserved_mib", "Memory of active reservations, MiB.", gpu, registry=self.registry
+        )
+        self.headroom = Gauge(
+            "vramshare_gpu_headroom_mib",
+            "Memory a new pod can still be given, MiB.",
+            gpu,
+            registry=self.registry,
+        )
+        self.sample_age = Gauge(
+            "vramshare_gpu_sample_age_seconds", "Age of the latest DCGM sample.", gpu, registry=self.registry
+        )
+        self.overused = Gauge(
+            "vramshare_gpu_overused_mib",
+            "Live usage beyond active reservations plus the margin, MiB (0 when within).",
+            gpu,
+            registry=self.registry,
+        )
+        self.state = Gauge(
+            "vramshare_gpu_state",
+            "1 for the GPU's current state (Ready, Stale, Missing).",
+            [*gpu, "state"],
+            registry=self.registry,
+        )
+        self.reservations = Gauge(
+            "vramshare_reservations", "Reservations by phase.", ["phase"], registry=self.registry
+        )
+        self.prometheus_errors = Counter(
+            "vramshare_prometheus_query_errors",
+            "Failed readings of DCGM metrics from Prometheus.",
+            registry=self.registry,
+        )
+        self.leader = Gauge(
+            "vramshare_controller_leader", "1 while this replica holds the lease.", registry=self.registry
+        )

@@ -1,0 +1,71 @@
+"""The controller's settings, read from VRAMSHARE_* environment variables (see vramshare.settings)."""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+
+from vramshare.domain import StaleGpuMode
+from vramshare.domain.inventory import InventorySettings
+from vramshare.settings import from_env, invalid
+
+
+@dataclass(frozen=True, kw_only=True)
+class ControllerSettings:
+    prometheus_url: str = "http://prometheus-server.monitoring.svc"
+    node_label: str = "Hostname"
+    """The DCGM series label holding the Kubernetes node name (Hostname, hostname, node, instance, ...)."""
+    metrics_selector: str = ""
+    """Extra PromQL label matchers for the DCGM series, e.g. job="dcgm-exporter"."""
+    poll_interval_s: float = 5.0
+    max_sample_age_s: float = 120.0
+    missing_grace_s: float = 60.0
+    settle_s: float = 60.0
+    safety_margin_mib: int = 512
+    stale_mode: StaleGpuMode = StaleGpuMode.REFUSE
+    reservation_ttl_s: float = 300.0
+    """A Reserved reservation whose pod has not appeared by then expires."""
+    retention_s: float = 3600.0
+    """Released, Expired and Lost reservations are deleted this long after they ended."""
+    lifecycle_interval_s: float = 10.0
+    """How often every reservation is checked (pod events act at once; this catches the rest)."""
+    namespace: str = "vramshare"
+    lease_name: str = "vramshare-controller"
+    lease_duration_s: float = 15.0
+    identity: str = ""
+    """This replica's name in the Lease; defaults to hostname-pid."""
+    metrics_port: int = 8080
+    kubeconfig: str = ""
+    log_level: str = "info"
+
+    @property
+    def inventory(self) -> InventorySettings:
+        return InventorySettings(
+            max_sample_age_s=self.max_sample_age_s,
+            missing_grace_s=self.missing_grace_s,
+            settle_s=self.settle_s,
+            safety_margin_mib=self.safety_margin_mib,
+            ledger_only_when_stale=self.stale_mode is StaleGpuMode.LEDGER_ONLY,
+        )
+
+    def validate(self) -> ControllerSettings:
+        for name in (
+            "poll_interval_s",
+            "max_sample_age_s",
+            "reservation_ttl_s",
+            "lease_duration_s",
+            "lifecycle_interval_s",
+        ):
+            if getattr(self, name) <= 0:
+                raise invalid(name, getattr(self, name), "a positive number of seconds")
+        if not self.prometheus_url.startswith(("http://", "https://")):
+            raise invalid("prometheus_url", self.prometheus_url, "an http:// or https:// URL")
+        if not self.identity:
+            return replace(self, identity=f"{socket.gethostname()}-{os.getpid()}")
+        return self
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> ControllerSettings:
+        return from_env(cls(), env).validate()
