@@ -137,3 +137,30 @@ def seed_inventory(
             "-p",
             json.dumps(status),
         )
+
+
+def start_controller(
+    cluster: LocalCluster, *, name: str, env: Mapping[str, str] | None = None, kubeconfig: Path | None = None
+) -> tuple[Component, int]:
+    """Start one controller replica reading the cluster's Prometheus; returns it and its metrics port."""
+    port = free_port()
+    environment = {
+        **os.environ,
+        "VRAMSHARE_PROMETHEUS_URL": cluster.prometheus_url,
+        "VRAMSHARE_METRICS_PORT": str(port),
+        "VRAMSHARE_KUBECONFIG": str(kubeconfig or cluster.kubeconfig),
+        "VRAMSHARE_NAMESPACE": "default",
+        "VRAMSHARE_IDENTITY": name,
+        "PYTHONUNBUFFERED": "1",
+        **(env or {}),
+    }
+    component = Component(
+        name=name,
+        argv=[sys.executable, "-m", "vramshare.controller"],
+        log_path=cluster.logs_dir / f"{name}.log",
+        ready=lambda: http_ok(f"http://127.0.0.1:{port}/metrics"),
+        env=environment,
+    )
+    cluster.components[name] = component
+    cluster.start_component(name)
+    return component, port

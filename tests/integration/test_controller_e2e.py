@@ -1,0 +1,346 @@
+"""The controller against the real stack: API server, kwok pods, fake exporter, Prometheus, and the
+webhook creating reservations. The module runs its own control plane, since it removes and replaces
+GPUs and stops Prometheus."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import pytest
+from kubernetes import client, config
+
+from vramshare.kube.resources import ANNOTATION_GPU_UUID, ANNOTATION_RESERVATION, device_name
+from vramshare_e2e.cluster import RUN_DURATION_ANNOTATION, LocalCluster
+from vramshare_e2e.components import start_controller, start_webhook, webhook_configuration
+
+pytestmark = pytest.mark.cluster
+T = TypeVar("T")
+
+CONTROLLER_ENV = {
+    "VRAMSHARE_POLL_INTERVAL_S": "1",
+    "VRAMSHARE_LIFECYCLE_INTERVAL_S": "1",
+    "VRAMSHARE_MAX_SAMPLE_AGE_S": "6",
+    "VRAMSHARE_MISSING_GRACE_S": "4",
+    "VRAMSHARE_RESERVATION_TTL_S": "6",
+    "VRAMSHARE_SETTLE_S": "2",
+    "VRAMSHARE_SAFETY_MARGIN_MIB": "512",
+    "VRAMSHARE_LEASE_DURATION_S": "4",
+}
+
+
+def wait_for(check: Callable[[], T], *, what: str, timeout_s: float = 30.0) -> T:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = check()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
+        time.sleep(0.25)
+
+
+@pytest.fixture(scope="module")
+def stack() -> Iterator[LocalCluster]:
+    with LocalCluster.start() as local:
+        port = start_webhook(local, name="webhook", env={"VRAMSHARE_SETTLE_S": "2"})[1]
+        local.apply_objects([webhook_configuration(local, ports={"ctl": port})])
+        local.kubectl("create", "namespace", "jobs")
+        local.kubectl("label", "namespace", "jobs", "vramshare-e2e/shard=ctl")
+        start_controller(local, name="controller-1", env=CONTROLLER_ENV)
+        yield local
+
+
+@pytest.fixture(scope="module")
+def core(stack: LocalCluster) -> client.CoreV1Api:
+    return client.CoreV1Api(config.new_client_from_config(config_file=str(stack.kubeconfig)))
+
+
+def devices(stack: LocalCluster) -> dict[str, dict[str, Any]]:
+    items = json.loads(stack.kubectl("get", "gpudevices", "-o", "json"))["items"]
+    return {d["spec"]["uuid"]: d for d in items}
+
+
+def reservation(stack: LocalCluster, name: str, namespace: str = "jobs") -> dict[str, Any]:
+    return json.loads(stack.kubectl("get", "gpureservation", name, "-n", namespace, "-o", "json"))
+
+
+def phase_of(stack: LocalCluster, name: str) -> str | None:
+    return reservation(stack, name).get("status", {}).get("phase")
+
+
+def gpu_pod(name: str, mib: int, *, run: str | None = None, node: str | None = None) -> client.V1Pod:
+    annotations = {"gpu-mem-mb": str(mib)}
+    if run:
+        annotations[RUN_DURATION_ANNOTATION] = run
+    return client.V1Pod(
+        metadata=client.V1ObjectMeta(name=name, annotations=annotations),
+        spec=client.V1PodSpec(
+            containers=[client.V1Container(name="base", image="example.invalid/task")],
+            restart_policy="Never",
+            node_selector={"kubernetes.io/hostname": node} if node else None,
+        ),
+    )
+
+
+def events_for(core: client.CoreV1Api, namespace: str, name: str) -> list[client.CoreV1Event]:
+    return [e for e in core.list_namespaced_event(namespace).items if e.involved_object.name == name]
+
+
+def test_devices_appear_and_follow_used_memory(stack: LocalCluster) -> None:
+    fleet = stack.settings.fleet
+    started = time.monotonic()
+    found = wait_for(
+        lambda: (d := devices(stack)) and len(d) == len(fleet.all_gpus()) and d, what="GpuDevices"
+    )
+    print(f"\n{len(found)} GpuDevices after {time.monotonic() - started:.1f} s")
+    node, gpu = fleet.all_gpus()[0]
+    dev = found[gpu.uuid]
+    assert dev["metadata"]["name"] == device_name(gpu.uuid)
+    assert (dev["spec"]["nodeName"], dev["spec"]["index"], dev["spec"]["model"]) == (
+        node.name,
+        gpu.index,
+        gpu.model,
+    )
+    assert dev["status"]["totalMiB"] == gpu.total_mib
+    assert dev["status"]["state"] == "Ready"
+    port = stack.components["controller-1"].env["VRAMSHARE_METRICS_PORT"]  # type: ignore[index]
+    assert (
+        metric(int(port), f'vramshare_gpu_total_mib{{node="{node.name}",uuid="{gpu.uuid}"}}') == gpu.total_mib
+    )
+    assert (
+        metric(int(port), f'vramshare_gpu_state{{node="{node.name}",state="Ready",uuid="{gpu.uuid}"}}') == 1.0
+    )
+    stack.exporter.set_used(gpu.uuid, 7_000)
+    wait_for(
+        lambda: devices(stack)[gpu.uuid]["status"]["usedMiB"] == 7_000, what="usedMiB to follow", timeout_s=10
+    )
+    stack.exporter.set_used(gpu.uuid, 0)
+    wait_for(
+        lambda: devices(stack)[gpu.uuid]["status"]["usedMiB"] == 0, what="usedMiB back to 0", timeout_s=10
+    )
+
+
+def test_reservation_goes_reserved_bound_released_with_events(
+    stack: LocalCluster, core: client.CoreV1Api
+) -> None:
+    pod = core.create_namespaced_pod("jobs", gpu_pod("short-task", 4096, run="4s"))
+    name = pod.metadata.annotations[ANNOTATION_RESERVATION]
+    bound = wait_for(
+        lambda: (r := reservation(stack, name)).get("status", {}).get("phase") == "Bound" and r, what="Bound"
+    )
+    assert bound["status"]["podUID"] == pod.metadata.uid
+    assert bound["metadata"]["ownerReferences"][0]["uid"] == pod.metadata.uid
+    wait_for(lambda: phase_of(stack, name) == "Released", what="Released")
+    assert reservation(stack, name)["status"]["reason"] == "PodFinished"
+    messages = [e.message for e in events_for(core, "jobs", "short-task")]
+    uuid = pod.metadata.annotations[ANNOTATION_GPU_UUID]
+    assert any(m.startswith(f"Reserved 4096 MiB on {uuid} (") for m in messages), messages
+    assert any(m.startswith(f"Released 4096 MiB on {uuid}") for m in messages), messages
+    # Released memory no longer counts against the GPU.
+    wait_for(lambda: devices(stack)[uuid]["status"]["reservedMiB"] == 0, what="reservedMiB 0", timeout_s=10)
+
+
+def test_deleting_the_pod_deletes_its_reservation(stack: LocalCluster, core: client.CoreV1Api) -> None:
+    pod = core.create_namespaced_pod("jobs", gpu_pod("deleted-task", 1000))
+    name = pod.metadata.annotations[ANNOTATION_RESERVATION]
+    wait_for(lambda: phase_of(stack, name) == "Bound", what="Bound")
+    core.delete_namespaced_pod("deleted-task", "jobs")
+    wait_for(
+        lambda: "NotFound" in stack.kubectl("get", "gpureservation", name, "-n", "jobs", check=False),
+        what="garbage collection of the reservation",
+    )
+
+
+def test_orphan_reservation_expires_after_the_ttl(stack: LocalCluster) -> None:
+    _, gpu = stack.settings.fleet.all_gpus()[1]
+    orphan = {
+        "apiVersion": "vramshare.io/v1alpha1",
+        "kind": "GpuReservation",
+        "metadata": {"name": "orphan", "namespace": "jobs"},
+        "spec": {
+            "podName": "never-created",
+            "memoryMiB": 2048,
+            "nodeName": "gpu-node-a",
+            "gpuUUID": gpu.uuid,
+            "gpuIndex": gpu.index,
+        },
+    }
+    stack.kubectl("create", "-f", "-", stdin=json.dumps(orphan))
+    wait_for(lambda: phase_of(stack, "orphan") == "Reserved", what="Reserved shown", timeout_s=10)
+    started = time.monotonic()
+    wait_for(lambda: phase_of(stack, "orphan") == "Expired", what="Expired", timeout_s=20)
+    assert time.monotonic() - started >= 3  # not before its 6 s TTL (a few s already passed)
+    assert reservation(stack, "orphan")["status"]["reason"] == "NoPod"
+
+
+def test_overuse_raises_a_condition_and_one_event_and_clears(
+    stack: LocalCluster, core: client.CoreV1Api
+) -> None:
+    pod = core.create_namespaced_pod("jobs", gpu_pod("greedy", 2000, node="gpu-node-b"))
+    uuid = pod.metadata.annotations[ANNOTATION_GPU_UUID]
+    name = device_name(uuid)
+
+    def overused() -> str | None:
+        conditions = devices(stack)[uuid]["status"].get("conditions", [])
+        return next((c["status"] for c in conditions if c["type"] == "MemoryOverused"), None)
+
+    stack.exporter.set_used(uuid, 5_000)  # 2000 reserved + 512 margin < 5000
+    wait_for(lambda: overused() == "True", what="MemoryOverused", timeout_s=10)
+    time.sleep(3)  # several more polls: still one event
+    warnings = [
+        e
+        for e in core.list_namespaced_event("default").items
+        if e.involved_object.name == name and e.reason == "MemoryOverused"
+    ]
+    assert len(warnings) == 1
+    assert "jobs/greedy" in warnings[0].message
+    assert "uses 5000 MiB, 2488 MiB more than its reservations (2000 MiB)" in warnings[0].message
+    stack.exporter.set_used(uuid, 1_500)
+    wait_for(lambda: overused() == "False", what="MemoryOverused cleared", timeout_s=10)
+    core.delete_namespaced_pod("greedy", "jobs")
+
+
+def test_prometheus_outage_marks_stale_and_recovers(stack: LocalCluster) -> None:
+    stack.stop_component("prometheus")
+    try:
+        wait_for(
+            lambda: {d["status"]["state"] for d in devices(stack).values()} == {"Stale"},
+            what="Stale",
+            timeout_s=20,
+        )
+    finally:
+        stack.start_component("prometheus")
+    wait_for(
+        lambda: {d["status"]["state"] for d in devices(stack).values()} == {"Ready"},
+        what="Ready again",
+        timeout_s=30,
+    )
+    log = stack.components["controller-1"].log_path.read_text()
+    assert log.count("Prometheus unreachable") == 1  # logged once per outage
+    assert "Prometheus reachable again" in log
+
+
+def test_exporter_outage_marks_stale_never_missing(stack: LocalCluster) -> None:
+    stack.stop_component("fake-dcgm-exporter")
+    try:
+        wait_for(
+            lambda: {d["status"]["state"] for d in devices(stack).values()} == {"Stale"},
+            what="Stale",
+            timeout_s=20,
+        )
+        time.sleep(5)  # longer than the missing grace
+        assert {d["status"]["state"] for d in devices(stack).values()} == {"Stale"}
+    finally:
+        stack.start_component("fake-dcgm-exporter")
+    wait_for(
+        lambda: {d["status"]["state"] for d in devices(stack).values()} == {"Ready"},
+        what="Ready again",
+        timeout_s=30,
+    )
+
+
+def test_killed_controller_loses_no_reservation(stack: LocalCluster, core: client.CoreV1Api) -> None:
+    pod = core.create_namespaced_pod("jobs", gpu_pod("survivor", 1500))
+    name = pod.metadata.annotations[ANNOTATION_RESERVATION]
+    wait_for(lambda: phase_of(stack, name) == "Bound", what="Bound")
+    before = {
+        r["metadata"]["name"]: r.get("status", {}).get("phase")
+        for r in json.loads(stack.kubectl("get", "gpures", "-n", "jobs", "-o", "json"))["items"]
+    }
+    stack.stop_component("controller-1", kill=True)
+    stack.start_component("controller-1")
+    time.sleep(4)  # several polls and sweeps by the new process
+    after = {
+        r["metadata"]["name"]: r.get("status", {}).get("phase")
+        for r in json.loads(stack.kubectl("get", "gpures", "-n", "jobs", "-o", "json"))["items"]
+    }
+    assert after == before
+
+
+def metric(port: int, name: str) -> float | None:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        for line in resp.read().decode().splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+    return None
+
+
+def test_with_two_controllers_only_one_acts_and_the_other_takes_over(stack: LocalCluster) -> None:
+    first = stack.components["controller-1"]
+    _, second_port = start_controller(stack, name="controller-2", env=CONTROLLER_ENV)
+    try:
+        lease = json.loads(
+            stack.kubectl("get", "lease", "vramshare-controller", "-n", "default", "-o", "json")
+        )
+        assert lease["spec"]["holderIdentity"] == "controller-1"
+        time.sleep(3)
+        assert metric(second_port, "vramshare_controller_leader") == 0.0
+        assert "standing by" in stack.components["controller-2"].log_path.read_text()
+        assert "GPU state changed" not in stack.components["controller-2"].log_path.read_text()
+        first.stop(kill=True)
+        started = time.monotonic()
+        wait_for(
+            lambda: metric(second_port, "vramshare_controller_leader") == 1.0, what="failover", timeout_s=15
+        )
+        print(f"\nfailover after {time.monotonic() - started:.1f} s (lease 4 s)")
+        holder = json.loads(
+            stack.kubectl("get", "lease", "vramshare-controller", "-n", "default", "-o", "json")
+        )
+        assert holder["spec"]["holderIdentity"] == "controller-2"
+    finally:
+        stack.start_component("controller-1")  # back as the stand-by, for the tests after this one
+
+
+def test_removed_gpu_goes_missing_and_its_reservations_lost(
+    stack: LocalCluster, core: client.CoreV1Api
+) -> None:
+    pod = core.create_namespaced_pod("jobs", gpu_pod("on-doomed-gpu", 1000, node="gpu-node-b"))
+    uuid = pod.metadata.annotations[ANNOTATION_GPU_UUID]
+    name = pod.metadata.annotations[ANNOTATION_RESERVATION]
+    wait_for(lambda: phase_of(stack, name) == "Bound", what="Bound")
+    stack.exporter.remove_gpu(uuid)
+    wait_for(lambda: devices(stack)[uuid]["status"]["state"] == "Missing", what="Missing", timeout_s=20)
+    wait_for(lambda: phase_of(stack, name) == "Lost", what="Lost", timeout_s=10)
+    warnings = [e for e in events_for(core, "jobs", "on-doomed-gpu") if e.reason == "GpuLost"]
+    assert len(warnings) == 1
+    assert warnings[0].type == "Warning"
+
+
+def test_replaced_uuid_shows_as_a_new_device(stack: LocalCluster) -> None:
+    node, gpu = next((n, g) for n, g in stack.exporter.fleet().all_gpus() if n.name == "gpu-node-a")
+    stack.exporter.replace_uuid(gpu.uuid, "GPU-11111111-2222-3333-4444-555555555555")
+    wait_for(
+        lambda: "GPU-11111111-2222-3333-4444-555555555555" in devices(stack),
+        what="the new device",
+        timeout_s=10,
+    )
+    wait_for(
+        lambda: devices(stack)[gpu.uuid]["status"]["state"] == "Missing",
+        what="old device Missing",
+        timeout_s=20,
+    )
+    new = devices(stack)["GPU-11111111-2222-3333-4444-555555555555"]
+    assert (new["spec"]["nodeName"], new["spec"]["index"], new["status"]["state"]) == (
+        node.name,
+        gpu.index,
+        "Ready",
+    )
+    print("\n" + stack.kubectl("get", "gpudevices,gpureservations", "-A"))
+
+
+def test_invalid_setting_stops_the_controller_with_a_clear_message() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "vramshare.controller"],
+        capture_output=True,
+        text=True,
+        env={"VRAMSHARE_POLL_INTERVAL_S": "soon", "PATH": "/usr/bin"},
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 2
+    assert "VRAMSHARE_POLL_INTERVAL_S='soon' is not valid: expected a number" in result.stderr

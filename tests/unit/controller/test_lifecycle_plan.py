@@ -1,0 +1,118 @@
+"""plan(): the lifecycle as API changes, without an API server."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tests.unit.domain.builders import NOW
+from vramshare.controller.inventory import conditions
+from vramshare.controller.lifecycle import PodInfo, plan
+from vramshare.kube.resources import format_time
+
+POD = PodInfo(name="task", uid="uid-1", phase="Running", running_since=NOW - 30)
+
+
+def obj(
+    phase: str | None = None, *, age: float = 10, owners: list[Any] | None = None, **status: Any
+) -> dict[str, Any]:
+    return {
+        "metadata": {
+            "name": "task-ab12",
+            "namespace": "jobs",
+            "resourceVersion": "7",
+            "creationTimestamp": format_time(NOW - age),
+            "ownerReferences": owners or [],
+        },
+        "spec": {
+            "podName": "task",
+            "memoryMiB": 4096,
+            "nodeName": "node-a",
+            "gpuUUID": "GPU-1",
+            "gpuIndex": 2,
+        },
+        "status": {**({"phase": phase} if phase else {}), **status},
+    }
+
+
+def make(o: dict[str, Any], pod: PodInfo | None = POD, *, missing: bool = False):  # type: ignore[no-untyped-def]
+    return plan(obj=o, pod=pod, gpu_missing=missing, now=NOW, ttl_s=300, retention_s=600)
+
+
+def test_binding_records_the_pod_owner_and_posts_the_reserved_event() -> None:
+    p = make(obj())
+    assert p.status["phase"] == "Bound"
+    assert p.status["podUID"] == "uid-1"
+    assert p.status["podRunningSince"] == format_time(NOW - 30)
+    assert p.owner == POD
+    assert p.event is not None
+    assert p.event.message == "Reserved 4096 MiB on GPU-1 (node-a, index 2)"
+
+
+def test_nothing_to_do_when_bound_and_recorded() -> None:
+    o = obj("Bound", owners=[{"uid": "uid-1"}], podUID="uid-1", podRunningSince=format_time(NOW - 30))
+    assert make(o).empty
+
+
+def test_finished_pod_releases() -> None:
+    p = make(
+        obj("Bound", owners=[{"uid": "uid-1"}], podUID="uid-1", podRunningSince=format_time(NOW - 30)),
+        PodInfo(name="task", uid="uid-1", phase="Succeeded", running_since=NOW - 30),
+    )
+    assert (p.status["phase"], p.status["reason"]) == ("Released", "PodFinished")
+    assert p.event is not None
+    assert p.event.reason == "GpuReleased"
+
+
+def test_missing_gpu_loses_with_a_warning() -> None:
+    p = make(
+        obj("Bound", owners=[{"uid": "uid-1"}], podUID="uid-1", podRunningSince=format_time(NOW - 30)),
+        missing=True,
+    )
+    assert p.status["phase"] == "Lost"
+    assert p.event is not None
+    assert p.event.type == "Warning"
+
+
+def test_orphan_expires_only_after_the_ttl_and_posts_nothing() -> None:
+    assert make(obj("Reserved", age=299), None).empty
+    p = make(obj("Reserved", age=300), None)
+    assert p.status["phase"] == "Expired"
+    assert p.event is None
+
+
+def test_terminal_reservations_are_deleted_after_retention() -> None:
+    assert not make(obj("Released", finishedAt=format_time(NOW - 599)), None).delete
+    assert make(obj("Released", finishedAt=format_time(NOW - 600)), None).delete
+
+
+def test_new_reservation_without_status_shows_reserved() -> None:
+    p = make(obj(age=1), None)
+    assert p.status == {"phase": "Reserved"}
+
+
+def test_pod_info_reads_the_earliest_container_start() -> None:
+    pod = {
+        "metadata": {"name": "p", "uid": "u"},
+        "status": {
+            "phase": "Running",
+            "containerStatuses": [
+                {"state": {"running": {"startedAt": format_time(NOW - 10)}}},
+                {"state": {"terminated": {"startedAt": format_time(NOW - 20)}}},
+                {"state": {"waiting": {}}},
+            ],
+        },
+    }
+    info = PodInfo.from_pod(pod)
+    assert info.running_since == NOW - 20
+    assert PodInfo.from_pod({"metadata": {"name": "p", "uid": "u"}}).phase == "Pending"
+
+
+def test_conditions_keep_transition_times_while_unchanged() -> None:
+    wanted = {k: (k == "Ready", "r", "m") for k in ("Ready", "Stale", "Missing", "MemoryOverused")}
+    first = conditions([], wanted, NOW - 100)
+    again = conditions(first, wanted, NOW)
+    assert [c["lastTransitionTime"] for c in again] == [format_time(NOW - 100)] * 4
+    flipped = conditions(again, {**wanted, "Stale": (True, "r", "m")}, NOW)
+    times = {c["type"]: c["lastTransitionTime"] for c in flipped}
+    assert times["Stale"] == format_time(NOW)
+    assert times["Ready"] == format_time(NOW - 100)
