@@ -48,6 +48,10 @@ unit: venv ## Fast tests: no I/O
 test: venv tools lint typecheck contracts ## Everything: lint, types, contracts, unit, integration, e2e
 	$(BIN)/pytest
 
+.PHONY: demo
+demo: venv tools ## The whole system on a local control plane: pods admitted, placed, refused (KEEP=1 keeps it up)
+	$(BIN)/python -m vramshare_e2e.demo $(if $(FAST),--fast,)
+
 .PHONY: cluster
 cluster: venv tools ## Run the local control plane in the foreground (Ctrl-C stops it)
 	$(BIN)/python -m vramshare_e2e.cluster

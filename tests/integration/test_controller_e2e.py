@@ -10,6 +10,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
@@ -344,3 +345,41 @@ def test_invalid_setting_stops_the_controller_with_a_clear_message() -> None:
     )
     assert result.returncode == 2
     assert "VRAMSHARE_POLL_INTERVAL_S='soon' is not valid: expected a number" in result.stderr
+
+
+def test_vramshare_status_against_the_stack(stack: LocalCluster) -> None:
+    """Run as an installed command with the cluster's kubeconfig, as a person or kubectl would."""
+    cli = Path(sys.executable).parent / "kubectl-vramshare"
+    table = subprocess.run(
+        [str(cli), "status", "--kubeconfig", str(stack.kubeconfig)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    assert table.startswith("GPUs\nNODE")
+    assert "gpu-node-b" in table
+    assert "Reservations\nNAMESPACE" in table
+    data = json.loads(
+        subprocess.run(
+            [str(cli), "status", "-o", "json", "--kubeconfig", str(stack.kubeconfig)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        ).stdout
+    )
+    api = {d["spec"]["uuid"]: d["status"]["headroomMiB"] for d in devices(stack).values()}
+    shown = {g["uuid"]: g["headroom_mib"] for g in data["gpus"]}
+    assert set(shown) == set(api)
+    names = {r["name"] for r in data["reservations"]}
+    assert "orphan" in names
+    bad = subprocess.run(
+        [str(cli), "status", "--kubeconfig", "/nonexistent"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert bad.returncode == 1
+    assert bad.stderr.startswith("vramshare status: cannot read the cluster:")

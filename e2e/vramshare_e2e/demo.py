@@ -1,0 +1,324 @@
+"""`make demo`: the whole of vramshare on one machine, playing Airflow-like GPU tasks.
+
+It starts the local control plane (building it the first time), the webhook and the controller, then:
+tasks with mixed `gpu-mem-mb` sizes are admitted and placed; one too large for any GPU is refused with
+the message an Airflow user reads; tasks finish and release their memory; the refused task, retried
+as Airflow would after its retry_delay, is admitted; a pod without a GPU request gets
+`NVIDIA_VISIBLE_DEVICES=none`. Tables of GPUs and reservations are shown as it goes.
+
+    python -m vramshare_e2e.demo [--fast]      KEEP=1 leaves everything running afterwards
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kubernetes import client, config
+from kubernetes.client.exceptions import ApiException
+
+from vramshare import status as status_view
+from vramshare.kube.resources import ANNOTATION_GPU_UUID, ANNOTATION_NODE, ANNOTATION_RESERVATION
+from vramshare_e2e.cluster import RUN_DURATION_ANNOTATION, ClusterSettings, LocalCluster
+from vramshare_e2e.components import start_controller, start_webhook, webhook_configuration
+
+NAMESPACE = "airflow"
+SHARD = "demo"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Task:
+    name: str
+    mib: int | None
+    run_s: float
+
+
+@dataclass(kw_only=True)
+class Outcome:
+    admitted: dict[str, dict[str, str]] = field(default_factory=dict)
+    """pod -> {gpu, node, reservation, visible_devices, cuda_devices}"""
+    refused: dict[str, str] = field(default_factory=dict)
+    retry_admitted: dict[str, str] | None = None
+    retry_attempts: int = 0
+    hidden_pod_env: str | None = None
+    released: list[str] = field(default_factory=list)
+    final: status_view.Status | None = None
+
+
+def tasks(fast: bool) -> tuple[list[Task], Task, Task]:
+    scale = 1.0 if fast else 3.0
+    first_wave = [
+        Task(name="train-resnet", mib=30_000, run_s=8 * scale),
+        Task(name="train-bert", mib=30_000, run_s=40 * scale),
+        Task(name="embed-docs", mib=8_000, run_s=5 * scale),
+        Task(name="infer-batch-1", mib=4_000, run_s=3 * scale),
+        Task(name="infer-batch-2", mib=4_000, run_s=4 * scale),
+        Task(name="infer-batch-3", mib=4_000, run_s=3 * scale),
+    ]
+    too_big = Task(name="train-llm", mib=24_000, run_s=6 * scale)
+    no_gpu = Task(name="make-report", mib=None, run_s=2 * scale)
+    return first_wave, too_big, no_gpu
+
+
+def pod_for(task: Task) -> client.V1Pod:
+    annotations = {RUN_DURATION_ANNOTATION: f"{task.run_s:g}s", "dag_id": "demo", "task_id": task.name}
+    if task.mib is not None:
+        annotations["gpu-mem-mb"] = str(task.mib)
+    return client.V1Pod(
+        metadata=client.V1ObjectMeta(name=task.name, annotations=annotations, labels={"dag_id": "demo"}),
+        spec=client.V1PodSpec(
+            containers=[client.V1Container(name="base", image="example.invalid/airflow-task:1")],
+            restart_policy="Never",
+        ),
+    )
+
+
+def env_of(pod: Any) -> dict[str, str]:
+    return {e.name: e.value for e in pod.spec.containers[0].env or []}
+
+
+class Demo:
+    def __init__(self, cluster: LocalCluster, *, fast: bool, show: Callable[[str], None]) -> None:
+        self.cluster = cluster
+        self.fast = fast
+        self.show = show
+        # The kubernetes client's models are loosely typed; the demo handles them as Any.
+        api = config.new_client_from_config(config_file=str(cluster.kubeconfig))  # type: ignore[no-untyped-call]
+        self.core: Any = client.CoreV1Api(api)
+        self.custom: Any = client.CustomObjectsApi(api)
+        self._last_signature: object = None
+
+    def status(self) -> status_view.Status:
+        devices = self.custom.list_cluster_custom_object("vramshare.io", "v1alpha1", "gpudevices")["items"]
+        reservations = self.custom.list_cluster_custom_object("vramshare.io", "v1alpha1", "gpureservations")[
+            "items"
+        ]
+        return status_view.from_objects(devices, reservations, now=time.time())
+
+    def simulate_usage(self) -> None:
+        """Fake GPUs use what their running pods booked (90% of it), as real tasks would."""
+        current = self.status()
+        for gpu in current.gpus:
+            if gpu.state == "Missing":
+                continue
+            booked = sum(r.mib for r in current.reservations if r.gpu_uuid == gpu.uuid and r.phase == "Bound")
+            self.cluster.exporter.set_used(gpu.uuid, int(booked * 0.9))
+
+    def _settled(self) -> bool:
+        """The inventory counts exactly the active reservations (the controller polls every second)."""
+        current = self.status()
+        for gpu in current.gpus:
+            booked = sum(
+                r.mib
+                for r in current.reservations
+                if r.gpu_uuid == gpu.uuid and r.phase in ("Reserved", "Bound")
+            )
+            if gpu.reserved_mib != booked:
+                return False
+        return True
+
+    def table(self, title: str, *, force: bool = True) -> None:
+        """Show the tables once the inventory has caught up (unless `force`, only when they changed)."""
+        self.simulate_usage()
+        deadline = time.monotonic() + 5
+        while not self._settled() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        current = self.status()
+        signature = (
+            tuple((r.name, r.phase) for r in current.reservations),
+            tuple((g.uuid, g.used_mib, g.reserved_mib) for g in current.gpus),
+        )
+        if not force and signature == self._last_signature:
+            return
+        self._last_signature = signature
+        self.show(f"\n== {title} ==\n{status_view.render(current)}\n")
+
+    def wait(self, seconds: float, title: str) -> None:
+        """Let time pass, showing the tables whenever they change."""
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            time.sleep(min(1.0, max(0.0, end - time.monotonic())))
+            self.table(title, force=False)
+
+    def create(self, task: Task) -> Any:
+        return self.core.create_namespaced_pod(NAMESPACE, pod_for(task))
+
+    def run(self) -> Outcome:
+        outcome = Outcome()
+        first_wave, too_big, no_gpu = tasks(self.fast)
+        self.cluster.wait_for(
+            lambda: len(self.status().gpus) == len(self.cluster.settings.fleet.all_gpus()),
+            what="the controller's GPU inventory",
+            timeout_s=60,
+        )
+        self.table("The fleet as DCGM reports it (2 x A100 40 GB on gpu-node-a, 3 x T4 16 GB on gpu-node-b)")
+
+        self.show(
+            "\n-- Airflow schedules six GPU tasks (KubernetesPodOperator, annotations={'gpu-mem-mb': ...}) --"
+        )
+        for task in first_wave:
+            pod = self.create(task)
+            env = env_of(pod)
+            a = pod.metadata.annotations
+            outcome.admitted[task.name] = {
+                "gpu": a[ANNOTATION_GPU_UUID],
+                "node": a[ANNOTATION_NODE],
+                "reservation": a[ANNOTATION_RESERVATION],
+                "visible_devices": env.get("NVIDIA_VISIBLE_DEVICES", ""),
+                "cuda_devices": env.get("CUDA_VISIBLE_DEVICES", ""),
+            }
+            self.show(
+                f"admitted {task.name:<14} {task.mib:>6} MiB -> {a[ANNOTATION_NODE]} GPU "
+                f"{a['vramshare.io/gpu-index']} ({status_view.short_uuid(a[ANNOTATION_GPU_UUID])}), "
+                f"NVIDIA_VISIBLE_DEVICES={env.get('NVIDIA_VISIBLE_DEVICES')} "
+                f"CUDA_VISIBLE_DEVICES={env.get('CUDA_VISIBLE_DEVICES')}"
+            )
+        self.table("Six tasks placed by memory")
+
+        self.show(f"\n-- Airflow schedules {too_big.name} asking {too_big.mib} MiB --")
+        try:
+            self.create(too_big)
+            raise RuntimeError(f"{too_big.name} was admitted, but no GPU should have had room")
+        except ApiException as exc:
+            message = json.loads(str(exc.body))["message"]
+            outcome.refused[too_big.name] = message
+            self.show(f"refused with HTTP {exc.status}; the task log reads:\n  {message}")
+
+        self.show(f"\n-- A task without a GPU request ({no_gpu.name}) --")
+        hidden = self.create(no_gpu)
+        outcome.hidden_pod_env = env_of(hidden).get("NVIDIA_VISIBLE_DEVICES")
+        self.show(
+            f"{no_gpu.name}: NVIDIA_VISIBLE_DEVICES={outcome.hidden_pod_env} (CUDA images default to 'all')"
+        )
+
+        self.show(
+            "\n-- Tasks finish and release their memory;"
+            " Airflow retries the refused task after its retry_delay --"
+        )
+        retry_delay = 2.0 if self.fast else 6.0
+        deadline = time.monotonic() + (60 if self.fast else 180)
+        while outcome.retry_admitted is None:
+            self.wait(retry_delay, "Tasks running and finishing")
+            outcome.retry_attempts += 1
+            try:
+                pod = self.create(too_big)
+            except ApiException as exc:
+                best = json.loads(str(exc.body))["message"].split("; ")[1].split(".")[0]
+                self.show(f"retry {outcome.retry_attempts} of {too_big.name}: still refused ({best})")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{too_big.name} was never admitted") from exc
+                continue
+            a = pod.metadata.annotations
+            outcome.retry_admitted = {"gpu": a[ANNOTATION_GPU_UUID], "node": a[ANNOTATION_NODE]}
+            self.show(
+                f"retry {outcome.retry_attempts} of {too_big.name}: admitted -> {a[ANNOTATION_NODE]} GPU "
+                f"{a['vramshare.io/gpu-index']} ({status_view.short_uuid(a[ANNOTATION_GPU_UUID])})"
+            )
+
+        short = [t.name for t in first_wave if t.name != "train-bert"]
+
+        def released() -> bool:
+            phases = {r.pod: r.phase for r in self.status().reservations}
+            return all(phases.get(name) == "Released" for name in short)
+
+        self.cluster.wait_for(released, what="finished tasks to release their memory", timeout_s=60)
+        outcome.released = short
+
+        def retried_bound() -> bool:
+            return any(r.pod == too_big.name and r.phase == "Bound" for r in self.status().reservations)
+
+        self.cluster.wait_for(retried_bound, what=f"{too_big.name} to be bound", timeout_s=30)
+        self.table("Final state")
+        outcome.final = self.status()
+        return outcome
+
+
+def start_vramshare(cluster: LocalCluster) -> None:
+    """Webhook and controller on the local control plane, managing the demo namespace."""
+    interval = "1"
+    port = start_webhook(
+        cluster, name="webhook", env={"VRAMSHARE_SETTLE_S": "3", "VRAMSHARE_LOG_LEVEL": "warning"}
+    )[1]
+    cluster.apply_objects([webhook_configuration(cluster, ports={SHARD: port})])
+    start_controller(
+        cluster,
+        name="controller",
+        env={
+            "VRAMSHARE_POLL_INTERVAL_S": interval,
+            "VRAMSHARE_LIFECYCLE_INTERVAL_S": interval,
+            "VRAMSHARE_SETTLE_S": "3",
+            "VRAMSHARE_RESERVATION_TTL_S": "60",
+            "VRAMSHARE_LOG_LEVEL": "warning",
+            "VRAMSHARE_MAX_SAMPLE_AGE_S": "30",
+        },
+    )
+    cluster.apply_objects(
+        [
+            {
+                "apiVersion": "v1",
+                "kind": "Namespace",
+                "metadata": {"name": NAMESPACE, "labels": {"vramshare-e2e/shard": SHARD}},
+            }
+        ]
+    )
+
+
+def run_demo(*, fast: bool, keep: bool, show: Callable[[str], None] = print) -> Outcome:
+    show(
+        "vramshare demo: starting the local control plane (the first run builds it from source; "
+        "progress below)"
+    )
+    cluster = LocalCluster.start(settings=ClusterSettings())
+    try:
+        start_vramshare(cluster)
+        outcome = Demo(cluster, fast=fast, show=show).run()
+        show(
+            f"\nDone: {len(outcome.admitted)} tasks admitted and placed, {len(outcome.refused)} refused with "
+            f"a message, {len(outcome.released)} released, the refused task admitted on retry "
+            f"{outcome.retry_attempts}, a CPU task hidden from GPUs."
+        )
+        if keep:
+            show(
+                "\nKEEP=1: everything stays up. Try:\n"
+                f"  export KUBECONFIG={cluster.kubeconfig}\n"
+                f"  {cluster.bin_dir / 'kubectl'} get gpudevices,gpures -A\n"
+                f"  .venv/bin/vramshare status\n"
+                "Ctrl-C stops everything."
+            )
+            stop = {"now": False}
+
+            def on_signal(*_: Any) -> None:
+                stop["now"] = True
+
+            signal.signal(signal.SIGINT, on_signal)
+            signal.signal(signal.SIGTERM, on_signal)
+            while not stop["now"]:
+                time.sleep(0.5)
+        return outcome
+    finally:
+        cluster.stop()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--fast", action="store_true", help="short task durations (as in the tests)")
+    args = parser.parse_args(argv)
+    keep = os.environ.get("KEEP", "") not in ("", "0", "false")
+    try:
+        run_demo(fast=args.fast, keep=keep, show=lambda text: print(text, flush=True))
+    except Exception as exc:
+        print(f"vramshare demo failed: {exc}", file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

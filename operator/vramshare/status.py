@@ -1,0 +1,218 @@
+"""`vramshare status`: the GPUs and reservations of a cluster, as tables with memory bars, or JSON.
+
+Also installed as the kubectl plugin `kubectl-vramshare` (`kubectl vramshare status`). Rendering is
+pure (`render()`), fetching is a thin use of the kubernetes client with the current kubeconfig.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from vramshare.kube.resources import GROUP, VERSION, parse_time
+
+BAR_WIDTH = 24
+
+
+@dataclass(frozen=True, kw_only=True)
+class GpuRow:
+    node: str
+    index: int
+    uuid: str
+    model: str
+    state: str
+    total_mib: int
+    used_mib: int
+    reserved_mib: int
+    headroom_mib: int
+    sample_age_s: float | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReservationRow:
+    namespace: str
+    name: str
+    pod: str
+    mib: int
+    node: str
+    gpu_uuid: str
+    gpu_index: int
+    phase: str
+    age_s: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class Status:
+    gpus: list[GpuRow]
+    reservations: list[ReservationRow]
+
+
+def from_objects(devices: list[dict[str, Any]], reservations: list[dict[str, Any]], *, now: float) -> Status:
+    gpus = []
+    for d in devices:
+        spec, st = d.get("spec", {}), d.get("status", {})
+        sampled = parse_time(st.get("sampledAt"))
+        gpus.append(
+            GpuRow(
+                node=spec.get("nodeName", ""),
+                index=int(spec.get("index", 0)),
+                uuid=spec.get("uuid", ""),
+                model=spec.get("model", ""),
+                state=st.get("state", "Unknown"),
+                total_mib=int(st.get("totalMiB", 0)),
+                used_mib=int(st.get("usedMiB", 0)),
+                reserved_mib=int(st.get("reservedMiB", 0)),
+                headroom_mib=int(st.get("headroomMiB", 0)),
+                sample_age_s=None if sampled is None else max(0.0, now - sampled),
+            )
+        )
+    rows = []
+    for r in reservations:
+        meta, spec, st = r["metadata"], r["spec"], r.get("status", {})
+        created = parse_time(meta.get("creationTimestamp")) or now
+        rows.append(
+            ReservationRow(
+                namespace=meta["namespace"],
+                name=meta["name"],
+                pod=spec["podName"],
+                mib=int(spec["memoryMiB"]),
+                node=spec["nodeName"],
+                gpu_uuid=spec["gpuUUID"],
+                gpu_index=int(spec["gpuIndex"]),
+                phase=st.get("phase", "Reserved"),
+                age_s=max(0.0, now - created),
+            )
+        )
+    gpus.sort(key=lambda g: (g.node, g.index, g.uuid))
+    rows.sort(key=lambda r: (r.phase not in ("Reserved", "Bound"), r.node, r.gpu_index, r.namespace, r.name))
+    return Status(gpus=gpus, reservations=rows)
+
+
+def bar(gpu: GpuRow, width: int = BAR_WIDTH) -> str:
+    """'#' used, '+' reserved but not (yet) in use, '.' free; scaled to the GPU's total."""
+    if gpu.total_mib <= 0:
+        return " " * width
+    used = round(width * min(gpu.used_mib, gpu.total_mib) / gpu.total_mib)
+    booked = round(width * min(max(gpu.reserved_mib, gpu.used_mib), gpu.total_mib) / gpu.total_mib)
+    return "#" * used + "+" * (booked - used) + "." * (width - booked)
+
+
+def age(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    if seconds < 120:
+        return f"{seconds:.0f}s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f}m"
+    return f"{seconds / 3600:.0f}h"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(header, widths, strict=True)).rstrip()]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    return "\n".join(lines)
+
+
+def short_uuid(uuid: str) -> str:
+    return uuid[:12] + "…" if len(uuid) > 13 else uuid
+
+
+def render(status: Status, *, all_phases: bool = True) -> str:
+    gpu_rows = [
+        [
+            g.node,
+            str(g.index),
+            g.model,
+            short_uuid(g.uuid),
+            str(g.total_mib),
+            str(g.used_mib),
+            str(g.reserved_mib),
+            str(max(g.headroom_mib, 0)),
+            g.state,
+            age(g.sample_age_s),
+            f"[{bar(g)}]",
+        ]
+        for g in status.gpus
+    ]
+    res = [r for r in status.reservations if all_phases or r.phase in ("Reserved", "Bound")]
+    res_rows = [
+        [
+            r.namespace,
+            r.pod,
+            str(r.mib),
+            r.node,
+            str(r.gpu_index),
+            short_uuid(r.gpu_uuid),
+            r.phase,
+            age(r.age_s),
+        ]
+        for r in res
+    ]
+    gpus = (
+        _table(
+            [
+                "NODE",
+                "IDX",
+                "MODEL",
+                "UUID",
+                "TOTAL",
+                "USED",
+                "RESERVED",
+                "HEADROOM",
+                "STATE",
+                "SAMPLED",
+                "MEMORY (#used +reserved .free)",
+            ],
+            gpu_rows,
+        )
+        if gpu_rows
+        else "No GPUs known (is the controller running?)"
+    )
+    reservations = (
+        _table(["NAMESPACE", "POD", "MIB", "NODE", "IDX", "GPU", "PHASE", "AGE"], res_rows)
+        if res_rows
+        else "No reservations."
+    )
+    return f"GPUs\n{gpus}\n\nReservations\n{reservations}"
+
+
+def to_json(status: Status) -> str:
+    return json.dumps(
+        {"gpus": [asdict(g) for g in status.gpus], "reservations": [asdict(r) for r in status.reservations]},
+        indent=2,
+    )
+
+
+def fetch(kubeconfig: str | None) -> Status:
+    from kubernetes import client, config
+
+    # The kubernetes package is untyped; what comes back is plain JSON-like dicts.
+    api: Any = client.CustomObjectsApi(config.new_client_from_config(config_file=kubeconfig))  # type: ignore[no-untyped-call]
+    devices = api.list_cluster_custom_object(GROUP, VERSION, "gpudevices")["items"]
+    reservations = api.list_cluster_custom_object(GROUP, VERSION, "gpureservations")["items"]
+    return from_objects(devices, reservations, now=time.time())
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="vramshare", description="vramshare: GPUs shared by memory.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    status = sub.add_parser("status", help="GPUs and reservations of the current cluster")
+    status.add_argument("-o", "--output", choices=["table", "json"], default="table")
+    status.add_argument("--kubeconfig", help="default: $KUBECONFIG or ~/.kube/config")
+    status.add_argument("--active", action="store_true", help="only Reserved and Bound reservations")
+    args = parser.parse_args(argv)
+    try:
+        current = fetch(args.kubeconfig)
+    except Exception as exc:  # a CLI: say what went wrong in one line
+        print(f"vramshare status: cannot read the cluster: {exc}", file=sys.stderr)
+        sys.exit(1)
+    print(to_json(current) if args.output == "json" else render(current, all_phases=not args.active))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,117 @@
+"""`vramshare status` rendering: tables, bars, JSON."""
+
+from __future__ import annotations
+
+import json
+
+from tests.unit.domain.builders import NOW
+from vramshare.kube.resources import format_time
+from vramshare.status import GpuRow, bar, from_objects, render, to_json
+
+DEVICE = {
+    "spec": {"uuid": "GPU-1234567890abcdef", "nodeName": "gpu-node-a", "index": 1, "model": "A100"},
+    "status": {
+        "totalMiB": 40960,
+        "usedMiB": 10240,
+        "reservedMiB": 20480,
+        "headroomMiB": 19968,
+        "state": "Ready",
+        "sampledAt": format_time(NOW - 3),
+    },
+}
+RESERVATION = {
+    "metadata": {"name": "train-abc", "namespace": "airflow", "creationTimestamp": format_time(NOW - 300)},
+    "spec": {
+        "podName": "train",
+        "memoryMiB": 20480,
+        "nodeName": "gpu-node-a",
+        "gpuUUID": "GPU-1234567890abcdef",
+        "gpuIndex": 1,
+    },
+    "status": {"phase": "Bound"},
+}
+
+
+def test_bar_shows_used_then_reserved_then_free() -> None:
+    gpu = GpuRow(
+        node="n",
+        index=0,
+        uuid="u",
+        model="m",
+        state="Ready",
+        total_mib=100,
+        used_mib=25,
+        reserved_mib=50,
+        headroom_mib=40,
+        sample_age_s=1,
+    )
+    assert bar(gpu, width=8) == "##++...."
+    over = GpuRow(
+        node="n",
+        index=0,
+        uuid="u",
+        model="m",
+        state="Ready",
+        total_mib=100,
+        used_mib=75,
+        reserved_mib=50,
+        headroom_mib=0,
+        sample_age_s=1,
+    )
+    assert bar(over, width=8) == "######.."
+
+
+def test_tables_name_gpus_and_reservations() -> None:
+    text = render(from_objects([DEVICE], [RESERVATION], now=NOW))
+    lines = text.splitlines()
+    assert lines[0] == "GPUs"
+    assert lines[1].split()[:10] == [
+        "NODE",
+        "IDX",
+        "MODEL",
+        "UUID",
+        "TOTAL",
+        "USED",
+        "RESERVED",
+        "HEADROOM",
+        "STATE",
+        "SAMPLED",
+    ]
+    assert lines[2].split()[:10] == [
+        "gpu-node-a",
+        "1",
+        "A100",
+        "GPU-12345678…",
+        "40960",
+        "10240",
+        "20480",
+        "19968",
+        "Ready",
+        "3s",
+    ]
+    assert lines[2].endswith("[######++++++............]")
+    reservations = lines[lines.index("Reservations") + 2].split()
+    assert reservations == ["airflow", "train", "20480", "gpu-node-a", "1", "GPU-12345678…", "Bound", "5m"]
+
+
+def test_empty_cluster_says_so() -> None:
+    text = render(from_objects([], [], now=NOW))
+    assert "No GPUs known (is the controller running?)" in text
+    assert "No reservations." in text
+
+
+def test_json_output() -> None:
+    data = json.loads(to_json(from_objects([DEVICE], [RESERVATION], now=NOW)))
+    assert data["gpus"][0]["headroom_mib"] == 19968
+    assert data["gpus"][0]["sample_age_s"] == 3
+    assert data["reservations"][0] == {
+        "namespace": "airflow",
+        "name": "train-abc",
+        "pod": "train",
+        "mib": 20480,
+        "node": "gpu-node-a",
+        "gpu_uuid": "GPU-1234567890abcdef",
+        "gpu_index": 1,
+        "phase": "Bound",
+        "age_s": 300.0,
+    }
