@@ -56,6 +56,10 @@ demo: venv tools ## The whole system on a local control plane: pods admitted, pl
 cluster: venv tools ## Run the local control plane in the foreground (Ctrl-C stops it)
 	$(BIN)/python -m vramshare_e2e.cluster
 
+.PHONY: sync-crds
+sync-crds: ## Copy crds/ into the chart (a test fails while they differ)
+	cp crds/*.yaml charts/vramshare/crds/
+
 .PHONY: fmt
 fmt: venv ## Format the code
 	$(BIN)/ruff format .

@@ -522,7 +522,24 @@ class LocalCluster:
         if name == "admin":
             shutil.copy(pair.cert_path, self.pki_dir / "admin.crt")
             shutil.copy(pair.key_path, self.pki_dir / "admin.key")
-        path = self.workdir / f"{name or pair.cert_path.stem}.kubeconfig"
+        return self._write_kubeconfig(
+            name or pair.cert_path.stem,
+            user=user,
+            credentials={"client-certificate": str(pair.cert_path), "client-key": str(pair.key_path)},
+        )
+
+    def service_account_kubeconfig(self, namespace: str, service_account: str) -> Path:
+        """A kubeconfig authenticating as a ServiceAccount through a bound token (TokenRequest API), as
+        a pod of that ServiceAccount would: for testing the exact permissions of a chart's roles."""
+        token = self.kubectl("create", "token", service_account, "-n", namespace, "--duration=2h").strip()
+        return self._write_kubeconfig(
+            f"sa-{namespace}-{service_account}",
+            user=f"system:serviceaccount:{namespace}:{service_account}",
+            credentials={"token": token},
+        )
+
+    def _write_kubeconfig(self, name: str, *, user: str, credentials: dict[str, str]) -> Path:
+        path = self.workdir / f"{name}.kubeconfig"
         config = {
             "apiVersion": "v1",
             "kind": "Config",
@@ -532,12 +549,7 @@ class LocalCluster:
                     "cluster": {"server": self.api_url, "certificate-authority": str(self.ca.cert_path)},
                 }
             ],
-            "users": [
-                {
-                    "name": user,
-                    "user": {"client-certificate": str(pair.cert_path), "client-key": str(pair.key_path)},
-                }
-            ],
+            "users": [{"name": user, "user": credentials}],
             "contexts": [
                 {"name": "vramshare-local", "context": {"cluster": "vramshare-local", "user": user}}
             ],

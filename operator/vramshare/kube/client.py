@@ -57,11 +57,13 @@ class Connection:
     def load(cls, *, kubeconfig: str | None = None) -> Self:
         """From a kubeconfig file, else the in-cluster service account, else ~/.kube/config."""
         configuration = Configuration()
+        in_cluster = False
         if kubeconfig:
             kube_config.load_kube_config(config_file=kubeconfig, client_configuration=configuration)
         else:
             try:
                 kube_config.load_incluster_config(client_configuration=configuration)
+                in_cluster = True
             except kube_config.ConfigException:
                 kube_config.load_kube_config(client_configuration=configuration)
         context = ssl.create_default_context(cafile=configuration.ssl_ca_cert)
@@ -70,13 +72,14 @@ class Connection:
         if not configuration.verify_ssl:
             context.check_hostname = False
             context.verify_mode = ssl.CERT_NONE
-        token = configuration.api_key.get("authorization")
-        token_file = Path("/var/run/secrets/kubernetes.io/serviceaccount/token")
+        # The key is "BearerToken" in current kubernetes clients and "authorization" in older ones.
+        raw = configuration.api_key.get("BearerToken") or configuration.api_key.get("authorization") or ""
+        token = raw.removeprefix("Bearer ") if raw.startswith("Bearer ") else None
         return cls(
             host=configuration.host.rstrip("/"),
             ssl_context=context,
-            token=token.removeprefix("Bearer ") if token else None,
-            token_file=token_file if token and token_file.exists() else None,
+            token=token,
+            token_file=Path("/var/run/secrets/kubernetes.io/serviceaccount/token") if in_cluster else None,
         )
 
 

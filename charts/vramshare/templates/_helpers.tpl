@@ -1,0 +1,59 @@
+{{- define "vramshare.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 50 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 50 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "vramshare.labels" -}}
+app.kubernetes.io/name: {{ .Chart.Name }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- with .Values.global.labels }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{- define "vramshare.selector" -}}
+app.kubernetes.io/name: {{ .root.Chart.Name }}
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{- define "vramshare.image" -}}
+{{ .Values.global.image.repository }}:{{ .Values.global.image.tag | default .Chart.AppVersion }}
+{{- end -}}
+
+{{/* Every setting becomes VRAMSHARE_<NAME>: the same names in values, environment and docs. */}}
+{{- define "vramshare.settingsEnv" -}}
+{{- range $key, $value := . }}
+- name: VRAMSHARE_{{ upper $key }}
+  {{- /* Helm reads YAML numbers as floats: print whole ones as integers, not 1.048576e+06. */}}
+  {{- if and (kindIs "float64" $value) (eq $value (float64 (int64 $value))) }}
+  value: {{ int64 $value | toString | quote }}
+  {{- else }}
+  value: {{ $value | toString | quote }}
+  {{- end }}
+{{- end }}
+{{- end -}}
+
+{{- define "vramshare.securityContext" -}}
+allowPrivilegeEscalation: false
+readOnlyRootFilesystem: true
+runAsNonRoot: true
+runAsUser: 65532
+runAsGroup: 65532
+capabilities:
+  drop: ["ALL"]
+seccompProfile:
+  type: RuntimeDefault
+{{- end -}}
+
+{{- define "vramshare.webhookName" -}}{{ include "vramshare.fullname" . }}-webhook{{- end -}}
+{{- define "vramshare.controllerName" -}}{{ include "vramshare.fullname" . }}-controller{{- end -}}
+{{- define "vramshare.tlsSecret" -}}
+{{- if eq .Values.webhook.tls.mode "secret" -}}{{ required "webhook.tls.existingSecret is required in the secret TLS mode" .Values.webhook.tls.existingSecret }}{{- else -}}{{ include "vramshare.webhookName" . }}-tls{{- end -}}
+{{- end -}}

@@ -1,0 +1,246 @@
+"""The Helm chart rendered by the real helm: lint, every TLS mode, the hide-GPUs switch, schema errors,
+settings named as the components name them, hardened pods, CRDs identical to crds/."""
+
+from __future__ import annotations
+
+import subprocess
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from vramshare.controller.settings import ControllerSettings
+from vramshare_e2e.cluster import tools_bin_dir
+from vramshare_webhook.settings import WebhookSettings
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "charts" / "vramshare"
+KUBE_VERSION = "1.37.2"
+VARIANTS = {
+    "default": [],
+    "secret-tls": [
+        "--set",
+        "webhook.tls.mode=secret",
+        "--set",
+        "webhook.tls.existingSecret=my-tls",
+        "--set",
+        "webhook.tls.caBundle=Q0E=",
+    ],
+    "cert-manager": ["--set", "webhook.tls.mode=cert-manager"],
+    "no-hide": ["--set", "webhook.hideGpus.enabled=false"],
+    "everything": [
+        "--set",
+        "serviceMonitor.enabled=true",
+        "--set",
+        "networkPolicy.enabled=true",
+        "--set",
+        "grafanaDashboard.enabled=true",
+        "--set",
+        "webhook.replicas=3",
+        "--set",
+        "webhook.settings.policy=binpack",
+        "--set",
+        "webhook.settings.denial_code=429",
+    ],
+}
+
+
+def helm(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    result = subprocess.run(
+        [str(tools_bin_dir() / "helm"), *args], capture_output=True, text=True, timeout=120, check=False
+    )
+    if check and result.returncode != 0:
+        raise AssertionError(f"helm {' '.join(args)} failed:\n{result.stderr}")
+    return result
+
+
+def render(*values: str) -> list[dict[str, Any]]:
+    out = helm("template", "t", str(CHART), "-n", "vramshare", "--kube-version", KUBE_VERSION, *values).stdout
+    return [d for d in yaml.safe_load_all(out) if d]
+
+
+def find(docs: list[dict[str, Any]], kind: str, suffix: str = "") -> dict[str, Any]:
+    (doc,) = [d for d in docs if d["kind"] == kind and d["metadata"]["name"].endswith(suffix)]
+    return doc
+
+
+def env(deployment: dict[str, Any]) -> dict[str, Any]:
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_lint_strict(variant: str) -> None:
+    result = helm("lint", "--strict", str(CHART), "--kube-version", KUBE_VERSION, *VARIANTS[variant])
+    assert "1 chart(s) linted, 0 chart(s) failed" in result.stdout
+
+
+def test_crds_in_the_chart_are_the_ones_in_crds() -> None:
+    chart_crds = {p.name: p.read_bytes() for p in (CHART / "crds").glob("*.yaml")}
+    source = {p.name: p.read_bytes() for p in (ROOT / "crds").glob("*.yaml")}
+    assert chart_crds == source
+
+
+def test_settings_are_named_as_the_components_name_them() -> None:
+    docs = render(*VARIANTS["everything"])
+    webhook = env(find(docs, "Deployment", "-webhook"))
+    controller = env(find(docs, "Deployment", "-controller"))
+    webhook_fields = {f"VRAMSHARE_{f.name.upper()}" for f in fields(WebhookSettings)}
+    controller_fields = {f"VRAMSHARE_{f.name.upper()}" for f in fields(ControllerSettings)}
+    assert set(webhook) <= webhook_fields, set(webhook) - webhook_fields
+    assert set(controller) <= controller_fields, set(controller) - controller_fields
+    # Every setting is reachable from values, but the few the chart decides itself.
+    assert webhook_fields - set(webhook) == {
+        "VRAMSHARE_HOST",
+        "VRAMSHARE_KUBECONFIG",
+        "VRAMSHARE_TLS_CERT_FILE",
+        "VRAMSHARE_TLS_KEY_FILE",
+        "VRAMSHARE_TLS_SYNC_INTERVAL_S",
+    }
+    assert controller_fields - set(controller) == {"VRAMSHARE_KUBECONFIG"}
+    assert webhook["VRAMSHARE_POLICY"] == "binpack"
+    assert webhook["VRAMSHARE_DENIAL_CODE"] == "429"
+    # Shared settings reach both components with one value.
+    for key in ("VRAMSHARE_SAFETY_MARGIN_MIB", "VRAMSHARE_SETTLE_S", "VRAMSHARE_MAX_SAMPLE_AGE_S"):
+        assert webhook[key] == controller[key]
+
+
+def test_settings_from_the_chart_are_accepted_by_the_components() -> None:
+    docs = render()
+    values = {k: v for k, v in env(find(docs, "Deployment", "-webhook")).items() if isinstance(v, str)}
+    WebhookSettings.from_env(values)  # raises SettingsError on a value the component refuses
+    values = {k: v for k, v in env(find(docs, "Deployment", "-controller")).items() if isinstance(v, str)}
+    ControllerSettings.from_env(values)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_pods_are_hardened(variant: str) -> None:
+    for deployment in [d for d in render(*VARIANTS[variant]) if d["kind"] == "Deployment"]:
+        pod = deployment["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        (container,) = pod["containers"]
+        sc = container["securityContext"]
+        assert sc["readOnlyRootFilesystem"] is True
+        assert sc["allowPrivilegeEscalation"] is False
+        assert sc["capabilities"]["drop"] == ["ALL"]
+        assert sc["seccompProfile"]["type"] == "RuntimeDefault"
+        assert container["resources"]["requests"]
+        assert container["resources"]["limits"]["memory"]
+        assert (
+            pod["serviceAccountName"].endswith(deployment["metadata"]["name"][-len("-webhook") :])
+            or pod["serviceAccountName"] == deployment["metadata"]["name"]
+        )
+
+
+def test_webhook_configuration() -> None:
+    docs = render()
+    config = find(docs, "MutatingWebhookConfiguration")
+    gpu, hide = config["webhooks"]
+    for hook in (gpu, hide):
+        assert hook["admissionReviewVersions"] == ["v1"]
+        assert hook["matchPolicy"] == "Equivalent"
+        assert hook["sideEffects"] == "NoneOnDryRun"
+        assert hook["reinvocationPolicy"] == "IfNeeded"
+        excluded = next(
+            e
+            for e in hook["namespaceSelector"]["matchExpressions"]
+            if e["key"] == "kubernetes.io/metadata.name"
+        )
+        assert excluded == {
+            "key": "kubernetes.io/metadata.name",
+            "operator": "NotIn",
+            "values": ["vramshare", "kube-system"],
+        }
+    assert gpu["failurePolicy"] == "Fail"
+    assert gpu["timeoutSeconds"] == 10
+    assert gpu["matchConditions"][0]["expression"] == (
+        "has(object.metadata.annotations) && 'gpu-mem-mb' in object.metadata.annotations"
+    )
+    assert hide["namespaceSelector"]["matchLabels"] == {"vramshare.io/managed": "true"}
+    assert env(find(docs, "Deployment", "-webhook"))["VRAMSHARE_HIDE_GPUS"] == "true"
+
+    no_hide = render(*VARIANTS["no-hide"])
+    assert len(find(no_hide, "MutatingWebhookConfiguration")["webhooks"]) == 1
+    assert env(find(no_hide, "Deployment", "-webhook"))["VRAMSHARE_HIDE_GPUS"] == "false"
+
+
+def test_tls_modes() -> None:
+    managed = render()
+    webhook = find(managed, "Deployment", "-webhook")
+    assert env(webhook)["VRAMSHARE_TLS_MODE"] == "self-managed"
+    assert env(webhook)["VRAMSHARE_TLS_NAMES"] == (
+        "t-vramshare-webhook.vramshare.svc,t-vramshare-webhook.vramshare.svc.cluster.local"
+    )
+    assert (
+        env(webhook)["VRAMSHARE_WEBHOOK_CONFIGURATION"]
+        == find(managed, "MutatingWebhookConfiguration")["metadata"]["name"]
+    )
+    role = find(managed, "ClusterRole", "-webhook")
+    assert {
+        "apiGroups": ["admissionregistration.k8s.io"],
+        "resources": ["mutatingwebhookconfigurations"],
+        "resourceNames": ["t-vramshare"],
+        "verbs": ["get", "patch"],
+    } in role["rules"]
+
+    secret = render(*VARIANTS["secret-tls"])
+    webhook = find(secret, "Deployment", "-webhook")
+    assert env(webhook)["VRAMSHARE_TLS_CERT_FILE"] == "/tls/tls.crt"
+    assert {"name": "tls", "secret": {"secretName": "my-tls"}} in webhook["spec"]["template"]["spec"][
+        "volumes"
+    ]
+    assert find(secret, "MutatingWebhookConfiguration")["webhooks"][0]["clientConfig"]["caBundle"] == "Q0E="
+    assert not any(
+        r["resources"] == ["mutatingwebhookconfigurations"]
+        for r in find(secret, "ClusterRole", "-webhook")["rules"]
+    )
+
+    cm = render(*VARIANTS["cert-manager"])
+    assert find(cm, "Certificate")["spec"]["secretName"] == "t-vramshare-webhook-tls"
+    assert find(cm, "MutatingWebhookConfiguration")["metadata"]["annotations"] == {
+        "cert-manager.io/inject-ca-from": "vramshare/t-vramshare-webhook"
+    }
+    assert find(cm, "Issuer")["spec"] == {"selfSigned": {}}
+
+
+def test_optional_objects_and_pdb() -> None:
+    docs = render(*VARIANTS["everything"])
+    kinds = {d["kind"] for d in docs}
+    assert {"ServiceMonitor", "NetworkPolicy", "ConfigMap", "PodDisruptionBudget"} <= kinds
+    assert find(docs, "PodDisruptionBudget")["spec"]["minAvailable"] == 1
+    dashboard = find(docs, "ConfigMap", "-dashboard")
+    assert '"title": "vramshare"' in dashboard["data"]["vramshare.json"]
+    single = render("--set", "webhook.replicas=1")
+    assert "PodDisruptionBudget" not in {d["kind"] for d in single}
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        (
+            ["--set", "webhook.settings.policy=pack"],
+            "at '/webhook/settings/policy': value must be one of 'spread', 'binpack'",
+        ),
+        (["--set", "webhook.replicas=two"], "at '/webhook/replicas': got string, want integer"),
+        (["--set", "webhook.colour=blue"], "at '/webhook': additional properties 'colour' not allowed"),
+        (["--set", "webhook.timeoutSeconds=45"], "at '/webhook/timeoutSeconds': maximum: got 45, want 30"),
+        (
+            ["--set", "controller.settings.prometheus_url=prometheus:9090"],
+            "/controller/settings/prometheus_url",
+        ),
+        (
+            ["--set", "webhook.settings.decision_deadline_s=12"],
+            "decision_deadline_s must be below webhook.timeoutSeconds",
+        ),
+        (
+            ["--set", "webhook.tls.mode=secret"],
+            "webhook.tls.existingSecret is required in the secret TLS mode",
+        ),
+    ],
+)
+def test_bad_values_are_refused_with_a_readable_message(values: list[str], message: str) -> None:
+    result = helm("template", "t", str(CHART), "--kube-version", KUBE_VERSION, *values, check=False)
+    assert result.returncode != 0
+    assert message in result.stderr, result.stderr

@@ -1,0 +1,235 @@
+"""`helm install` into a real API server, then vramshare run as the chart's ServiceAccounts: enough
+rights for its end-to-end flow (sufficiency), and refused what it does not need (minimality)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+
+from vramshare_e2e.cluster import RUN_DURATION_ANNOTATION, LocalCluster, free_port
+from vramshare_e2e.components import start_controller, start_webhook
+
+pytestmark = pytest.mark.cluster
+T = TypeVar("T")
+CHART = Path(__file__).resolve().parents[2] / "charts" / "vramshare"
+NS = "vramshare"
+WEBHOOK_SA = "t-vramshare-webhook"
+CONTROLLER_SA = "t-vramshare-controller"
+
+
+def wait_for(check: Callable[[], T], *, what: str, timeout_s: float = 30.0) -> T:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = check()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
+        time.sleep(0.25)
+
+
+def helm(stack: LocalCluster, *args: str) -> str:
+    result = subprocess.run(
+        [str(stack.bin_dir / "helm"), "--kubeconfig", str(stack.kubeconfig), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+@pytest.fixture(scope="module")
+def stack() -> Iterator[LocalCluster]:
+    with LocalCluster.start() as local:
+        helm(
+            local,
+            "install",
+            "t",
+            str(CHART),
+            "-n",
+            NS,
+            "--create-namespace",
+            "--wait=false",
+            "--set",
+            "networkPolicy.enabled=true",
+            "--set",
+            "grafanaDashboard.enabled=true",
+        )
+        yield local
+
+
+def test_install_created_every_object(stack: LocalCluster) -> None:
+    status = json.loads(helm(stack, "status", "t", "-n", NS, "-o", "json"))
+    assert status["info"]["status"] == "deployed"
+    for kind, name in [
+        ("deployment", "t-vramshare-webhook"),
+        ("deployment", "t-vramshare-controller"),
+        ("service", "t-vramshare-webhook"),
+        ("poddisruptionbudget", "t-vramshare-webhook"),
+        ("networkpolicy", "t-vramshare-webhook"),
+        ("configmap", "t-vramshare-dashboard"),
+    ]:
+        stack.kubectl("get", kind, name, "-n", NS)
+    stack.kubectl("get", "mutatingwebhookconfiguration", "t-vramshare")
+    stack.kubectl("get", "validatingadmissionpolicy", "t-vramshare-pinning")
+    established = stack.kubectl(
+        "get",
+        "crd",
+        "gpureservations.vramshare.io",
+        "-o",
+        "jsonpath={.status.conditions[?(@.type=='Established')].status}",
+    )
+    assert established == "True"
+
+
+def can(stack: LocalCluster, sa: str, *args: str) -> bool:
+    out = stack.kubectl("auth", "can-i", *args, f"--as=system:serviceaccount:{NS}:{sa}", check=False).strip()
+    return out == "yes"
+
+
+@pytest.mark.parametrize(
+    ("sa", "action"),
+    [
+        (WEBHOOK_SA, ["get", "secrets", "-n", "default"]),
+        (WEBHOOK_SA, ["list", "secrets", "-n", NS]),
+        (WEBHOOK_SA, ["get", "secrets/other", "-n", NS]),
+        (WEBHOOK_SA, ["delete", "pods", "-n", "default"]),
+        (WEBHOOK_SA, ["patch", "mutatingwebhookconfigurations/someone-elses"]),
+        (WEBHOOK_SA, ["update", "gpureservations/status", "-n", "default"]),
+        (WEBHOOK_SA, ["delete", "gpudevices"]),
+        (CONTROLLER_SA, ["get", "secrets", "-n", NS]),
+        (CONTROLLER_SA, ["delete", "pods", "-n", "default"]),
+        (CONTROLLER_SA, ["create", "pods", "-n", "default"]),
+        (CONTROLLER_SA, ["update", "leases/kube-scheduler", "-n", NS]),
+        (CONTROLLER_SA, ["create", "gpureservations", "-n", "default"]),
+        (CONTROLLER_SA, ["patch", "mutatingwebhookconfigurations/t-vramshare"]),
+    ],
+)
+def test_identities_are_refused_what_they_do_not_need(
+    stack: LocalCluster, sa: str, action: list[str]
+) -> None:
+    assert not can(stack, sa, *action)
+
+
+def test_identities_have_what_they_need(stack: LocalCluster) -> None:
+    assert can(stack, WEBHOOK_SA, "create", "gpureservations", "-n", "jobs")
+    assert can(stack, WEBHOOK_SA, "get", "secrets/t-vramshare-webhook-tls", "-n", NS)
+    assert can(stack, CONTROLLER_SA, "watch", "pods", "--all-namespaces")
+    assert can(stack, CONTROLLER_SA, "update", "leases/t-vramshare-controller", "-n", NS)
+
+
+def test_vramshare_runs_as_the_chart_identities(stack: LocalCluster) -> None:
+    """The full flow with the webhook and controller authenticated as the chart's ServiceAccounts."""
+    port = free_port()
+    # The chart's webhook configuration points at its Service; here the replica runs on loopback.
+    stack.kubectl(
+        "patch",
+        "mutatingwebhookconfiguration",
+        "t-vramshare",
+        "--type=json",
+        "-p",
+        json.dumps(
+            [
+                {
+                    "op": "replace",
+                    "path": f"/webhooks/{i}/clientConfig",
+                    "value": {"url": f"https://127.0.0.1:{port}/mutate"},
+                }
+                for i in range(2)
+            ]
+        ),
+    )
+    start_webhook(
+        stack,
+        name="webhook",
+        port=port,
+        kubeconfig=stack.service_account_kubeconfig(NS, WEBHOOK_SA),
+        env={
+            "VRAMSHARE_NAMESPACE": NS,
+            "VRAMSHARE_TLS_MODE": "self-managed",
+            "VRAMSHARE_TLS_NAMES": "127.0.0.1",
+            "VRAMSHARE_TLS_SECRET": "t-vramshare-webhook-tls",
+            "VRAMSHARE_WEBHOOK_CONFIGURATION": "t-vramshare",
+            "VRAMSHARE_SETTLE_S": "2",
+        },
+    )
+    start_controller(
+        stack,
+        name="controller",
+        kubeconfig=stack.service_account_kubeconfig(NS, CONTROLLER_SA),
+        env={
+            "VRAMSHARE_NAMESPACE": NS,
+            "VRAMSHARE_LEASE_NAME": "t-vramshare-controller",
+            "VRAMSHARE_POLL_INTERVAL_S": "1",
+            "VRAMSHARE_LIFECYCLE_INTERVAL_S": "1",
+            "VRAMSHARE_SETTLE_S": "2",
+        },
+    )
+    wait_for(
+        lambda: len(json.loads(stack.kubectl("get", "gpudevices", "-o", "json"))["items"]) == 5,
+        what="GpuDevices written by the controller",
+    )
+    stack.kubectl("create", "namespace", "jobs")
+    stack.kubectl("label", "namespace", "jobs", "vramshare.io/managed=true")
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": "task",
+            "namespace": "jobs",
+            "annotations": {"gpu-mem-mb": "3000", RUN_DURATION_ANNOTATION: "3s"},
+        },
+        "spec": {"restartPolicy": "Never", "containers": [{"name": "base", "image": "example.invalid/x"}]},
+    }
+    created = json.loads(stack.kubectl("create", "-f", "-", "-o", "json", stdin=json.dumps(pod)))
+    name = created["metadata"]["annotations"]["vramshare.io/reservation"]
+
+    def phase() -> Any:
+        res = json.loads(stack.kubectl("get", "gpureservation", name, "-n", "jobs", "-o", "json"))
+        return res.get("status", {}).get("phase")
+
+    wait_for(lambda: phase() == "Bound", what="Bound")
+    wait_for(lambda: phase() == "Released", what="Released")
+    plain = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "cpu", "namespace": "jobs"},
+        "spec": {"containers": [{"name": "base", "image": "example.invalid/x"}]},
+    }
+    hidden = json.loads(stack.kubectl("create", "-f", "-", "-o", "json", stdin=json.dumps(plain)))
+    assert hidden["spec"]["containers"][0]["env"] == [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "none"}]
+    for component in ("webhook", "controller"):
+        log = stack.components[component].log_path.read_text()
+        assert "forbidden" not in log.lower(), log[-3000:]
+
+
+def test_pinning_annotations_cannot_be_changed_after_admission(stack: LocalCluster) -> None:
+    """The chart's ValidatingAdmissionPolicy: nobody re-points an admitted pod (runs after the flow above)."""
+    for patch in (
+        {"metadata": {"annotations": {"vramshare.io/gpu-uuid": "GPU-other"}}},
+        {"metadata": {"annotations": {"vramshare.io/reservation": None}}},
+        {"metadata": {"labels": {"vramshare.io/reservation": "stolen"}}},
+    ):
+        refused = stack.kubectl(
+            "patch", "pod", "task", "-n", "jobs", "--type=merge", "-p", json.dumps(patch), check=False
+        )
+        assert "cannot be added, changed or removed afterwards" in refused, refused
+    allowed = stack.kubectl(
+        "patch",
+        "pod",
+        "task",
+        "-n",
+        "jobs",
+        "--type=merge",
+        "-p",
+        json.dumps({"metadata": {"annotations": {"team": "a"}}}),
+        check=False,
+    )
+    assert "patched" in allowed
