@@ -33,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
 
@@ -41,6 +41,7 @@ from vramshare_e2e.certs import CertificateAuthority, CertPair, service_account_
 from vramshare_e2e.fake_dcgm import ExporterClient
 from vramshare_e2e.fleet import Fleet, default_fleet
 
+T = TypeVar("T")
 PACKAGE_DIR = Path(__file__).resolve().parent
 BUILD_SCRIPT = PACKAGE_DIR.parent / "tools" / "build.sh"
 KWOK_STAGES = PACKAGE_DIR / "kwok-stages.yaml"
@@ -55,6 +56,18 @@ class ClusterError(RuntimeError):
 
 def say(message: str) -> None:
     print(f"[vramshare cluster] {message}", file=sys.stderr, flush=True)
+
+
+def eventually(check: Callable[[], T], *, what: str, timeout_s: float = 30.0, interval_s: float = 0.25) -> T:
+    """Poll `check` until it returns something truthy, and return that; AssertionError on timeout."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
+        time.sleep(interval_s)
 
 
 def free_port() -> int:
@@ -450,12 +463,11 @@ class LocalCluster:
         )
 
     def wait_for(self, check: Callable[[], bool], *, what: str, timeout_s: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if check():
-                return
-            time.sleep(0.25)
-        raise ClusterError(f"timed out after {timeout_s:g} s waiting for {what}\n{self.diagnostics()}")
+        """Like `eventually`, but a timeout raises ClusterError carrying the components' log tails."""
+        try:
+            eventually(check, what=what, timeout_s=timeout_s)
+        except AssertionError as exc:
+            raise ClusterError(f"{exc}\n{self.diagnostics()}") from None
 
     # -- fake fleet -------------------------------------------------------------------------------
 

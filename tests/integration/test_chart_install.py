@@ -5,32 +5,20 @@ from __future__ import annotations
 
 import json
 import subprocess
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 
-from vramshare_e2e.cluster import RUN_DURATION_ANNOTATION, LocalCluster, free_port
+from vramshare_e2e.cluster import RUN_DURATION_ANNOTATION, LocalCluster, eventually, free_port
 from vramshare_e2e.components import start_controller, start_webhook
 
 pytestmark = pytest.mark.cluster
-T = TypeVar("T")
 CHART = Path(__file__).resolve().parents[2] / "charts" / "vramshare"
 NS = "vramshare"
 WEBHOOK_SA = "t-vramshare-webhook"
 CONTROLLER_SA = "t-vramshare-controller"
-
-
-def wait_for(check: Callable[[], T], *, what: str, timeout_s: float = 30.0) -> T:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = check()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
-        time.sleep(0.25)
 
 
 def helm(stack: LocalCluster, *args: str) -> str:
@@ -172,7 +160,7 @@ def test_vramshare_runs_as_the_chart_identities(stack: LocalCluster) -> None:
             "VRAMSHARE_SETTLE_S": "2",
         },
     )
-    wait_for(
+    eventually(
         lambda: len(json.loads(stack.kubectl("get", "gpudevices", "-o", "json"))["items"]) == 5,
         what="GpuDevices written by the controller",
     )
@@ -195,8 +183,8 @@ def test_vramshare_runs_as_the_chart_identities(stack: LocalCluster) -> None:
         res = json.loads(stack.kubectl("get", "gpureservation", name, "-n", "jobs", "-o", "json"))
         return res.get("status", {}).get("phase")
 
-    wait_for(lambda: phase() == "Bound", what="Bound")
-    wait_for(lambda: phase() == "Released", what="Released")
+    eventually(lambda: phase() == "Bound", what="Bound")
+    eventually(lambda: phase() == "Released", what="Released")
     plain = {
         "apiVersion": "v1",
         "kind": "Pod",

@@ -9,19 +9,18 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 from kubernetes import client, config
 
 from vramshare.kube.resources import ANNOTATION_GPU_UUID, ANNOTATION_RESERVATION, device_name
-from vramshare_e2e.cluster import RUN_DURATION_ANNOTATION, LocalCluster
+from vramshare_e2e.cluster import RUN_DURATION_ANNOTATION, LocalCluster, eventually
 from vramshare_e2e.components import start_controller, start_webhook, webhook_configuration
 
 pytestmark = pytest.mark.cluster
-T = TypeVar("T")
 
 CONTROLLER_ENV = {
     "VRAMSHARE_POLL_INTERVAL_S": "1",
@@ -33,16 +32,6 @@ CONTROLLER_ENV = {
     "VRAMSHARE_SAFETY_MARGIN_MIB": "512",
     "VRAMSHARE_LEASE_DURATION_S": "4",
 }
-
-
-def wait_for(check: Callable[[], T], *, what: str, timeout_s: float = 30.0) -> T:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = check()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
-        time.sleep(0.25)
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +84,7 @@ def events_for(core: client.CoreV1Api, namespace: str, name: str) -> list[client
 def test_devices_appear_and_follow_used_memory(stack: LocalCluster) -> None:
     fleet = stack.settings.fleet
     started = time.monotonic()
-    found = wait_for(
+    found = eventually(
         lambda: (d := devices(stack)) and len(d) == len(fleet.all_gpus()) and d, what="GpuDevices"
     )
     print(f"\n{len(found)} GpuDevices after {time.monotonic() - started:.1f} s")
@@ -117,11 +106,11 @@ def test_devices_appear_and_follow_used_memory(stack: LocalCluster) -> None:
         metric(int(port), f'vramshare_gpu_state{{node="{node.name}",state="Ready",uuid="{gpu.uuid}"}}') == 1.0
     )
     stack.exporter.set_used(gpu.uuid, 7_000)
-    wait_for(
+    eventually(
         lambda: devices(stack)[gpu.uuid]["status"]["usedMiB"] == 7_000, what="usedMiB to follow", timeout_s=10
     )
     stack.exporter.set_used(gpu.uuid, 0)
-    wait_for(
+    eventually(
         lambda: devices(stack)[gpu.uuid]["status"]["usedMiB"] == 0, what="usedMiB back to 0", timeout_s=10
     )
 
@@ -131,27 +120,27 @@ def test_reservation_goes_reserved_bound_released_with_events(
 ) -> None:
     pod = core.create_namespaced_pod("jobs", gpu_pod("short-task", 4096, run="4s"))
     name = pod.metadata.annotations[ANNOTATION_RESERVATION]
-    bound = wait_for(
+    bound = eventually(
         lambda: (r := reservation(stack, name)).get("status", {}).get("phase") == "Bound" and r, what="Bound"
     )
     assert bound["status"]["podUID"] == pod.metadata.uid
     assert bound["metadata"]["ownerReferences"][0]["uid"] == pod.metadata.uid
-    wait_for(lambda: phase_of(stack, name) == "Released", what="Released")
+    eventually(lambda: phase_of(stack, name) == "Released", what="Released")
     assert reservation(stack, name)["status"]["reason"] == "PodFinished"
     messages = [e.message for e in events_for(core, "jobs", "short-task")]
     uuid = pod.metadata.annotations[ANNOTATION_GPU_UUID]
     assert any(m.startswith(f"Reserved 4096 MiB on {uuid} (") for m in messages), messages
     assert any(m.startswith(f"Released 4096 MiB on {uuid}") for m in messages), messages
     # Released memory no longer counts against the GPU.
-    wait_for(lambda: devices(stack)[uuid]["status"]["reservedMiB"] == 0, what="reservedMiB 0", timeout_s=10)
+    eventually(lambda: devices(stack)[uuid]["status"]["reservedMiB"] == 0, what="reservedMiB 0", timeout_s=10)
 
 
 def test_deleting_the_pod_deletes_its_reservation(stack: LocalCluster, core: client.CoreV1Api) -> None:
     pod = core.create_namespaced_pod("jobs", gpu_pod("deleted-task", 1000))
     name = pod.metadata.annotations[ANNOTATION_RESERVATION]
-    wait_for(lambda: phase_of(stack, name) == "Bound", what="Bound")
+    eventually(lambda: phase_of(stack, name) == "Bound", what="Bound")
     core.delete_namespaced_pod("deleted-task", "jobs")
-    wait_for(
+    eventually(
         lambda: "NotFound" in stack.kubectl("get", "gpureservation", name, "-n", "jobs", check=False),
         what="garbage collection of the reservation",
     )
@@ -172,9 +161,9 @@ def test_orphan_reservation_expires_after_the_ttl(stack: LocalCluster) -> None:
         },
     }
     stack.kubectl("create", "-f", "-", stdin=json.dumps(orphan))
-    wait_for(lambda: phase_of(stack, "orphan") == "Reserved", what="Reserved shown", timeout_s=10)
+    eventually(lambda: phase_of(stack, "orphan") == "Reserved", what="Reserved shown", timeout_s=10)
     started = time.monotonic()
-    wait_for(lambda: phase_of(stack, "orphan") == "Expired", what="Expired", timeout_s=20)
+    eventually(lambda: phase_of(stack, "orphan") == "Expired", what="Expired", timeout_s=20)
     assert time.monotonic() - started >= 3  # not before its 6 s TTL (a few s already passed)
     assert reservation(stack, "orphan")["status"]["reason"] == "NoPod"
 
@@ -191,7 +180,7 @@ def test_overuse_raises_a_condition_and_one_event_and_clears(
         return next((c["status"] for c in conditions if c["type"] == "MemoryOverused"), None)
 
     stack.exporter.set_used(uuid, 5_000)  # 2000 reserved + 512 margin < 5000
-    wait_for(lambda: overused() == "True", what="MemoryOverused", timeout_s=10)
+    eventually(lambda: overused() == "True", what="MemoryOverused", timeout_s=10)
     time.sleep(3)  # several more polls: still one event
     warnings = [
         e
@@ -202,21 +191,21 @@ def test_overuse_raises_a_condition_and_one_event_and_clears(
     assert "jobs/greedy" in warnings[0].message
     assert "uses 5000 MiB, 2488 MiB more than its reservations (2000 MiB)" in warnings[0].message
     stack.exporter.set_used(uuid, 1_500)
-    wait_for(lambda: overused() == "False", what="MemoryOverused cleared", timeout_s=10)
+    eventually(lambda: overused() == "False", what="MemoryOverused cleared", timeout_s=10)
     core.delete_namespaced_pod("greedy", "jobs")
 
 
 def test_prometheus_outage_marks_stale_and_recovers(stack: LocalCluster) -> None:
     stack.stop_component("prometheus")
     try:
-        wait_for(
+        eventually(
             lambda: {d["status"]["state"] for d in devices(stack).values()} == {"Stale"},
             what="Stale",
             timeout_s=20,
         )
     finally:
         stack.start_component("prometheus")
-    wait_for(
+    eventually(
         lambda: {d["status"]["state"] for d in devices(stack).values()} == {"Ready"},
         what="Ready again",
         timeout_s=30,
@@ -229,7 +218,7 @@ def test_prometheus_outage_marks_stale_and_recovers(stack: LocalCluster) -> None
 def test_exporter_outage_marks_stale_never_missing(stack: LocalCluster) -> None:
     stack.stop_component("fake-dcgm-exporter")
     try:
-        wait_for(
+        eventually(
             lambda: {d["status"]["state"] for d in devices(stack).values()} == {"Stale"},
             what="Stale",
             timeout_s=20,
@@ -238,7 +227,7 @@ def test_exporter_outage_marks_stale_never_missing(stack: LocalCluster) -> None:
         assert {d["status"]["state"] for d in devices(stack).values()} == {"Stale"}
     finally:
         stack.start_component("fake-dcgm-exporter")
-    wait_for(
+    eventually(
         lambda: {d["status"]["state"] for d in devices(stack).values()} == {"Ready"},
         what="Ready again",
         timeout_s=30,
@@ -248,7 +237,7 @@ def test_exporter_outage_marks_stale_never_missing(stack: LocalCluster) -> None:
 def test_killed_controller_loses_no_reservation(stack: LocalCluster, core: client.CoreV1Api) -> None:
     pod = core.create_namespaced_pod("jobs", gpu_pod("survivor", 1500))
     name = pod.metadata.annotations[ANNOTATION_RESERVATION]
-    wait_for(lambda: phase_of(stack, name) == "Bound", what="Bound")
+    eventually(lambda: phase_of(stack, name) == "Bound", what="Bound")
     before = {
         r["metadata"]["name"]: r.get("status", {}).get("phase")
         for r in json.loads(stack.kubectl("get", "gpures", "-n", "jobs", "-o", "json"))["items"]
@@ -285,7 +274,7 @@ def test_with_two_controllers_only_one_acts_and_the_other_takes_over(stack: Loca
         assert "GPU state changed" not in stack.components["controller-2"].log_path.read_text()
         first.stop(kill=True)
         started = time.monotonic()
-        wait_for(
+        eventually(
             lambda: metric(second_port, "vramshare_controller_leader") == 1.0, what="failover", timeout_s=15
         )
         print(f"\nfailover after {time.monotonic() - started:.1f} s (lease 4 s)")
@@ -303,10 +292,10 @@ def test_removed_gpu_goes_missing_and_its_reservations_lost(
     pod = core.create_namespaced_pod("jobs", gpu_pod("on-doomed-gpu", 1000, node="gpu-node-b"))
     uuid = pod.metadata.annotations[ANNOTATION_GPU_UUID]
     name = pod.metadata.annotations[ANNOTATION_RESERVATION]
-    wait_for(lambda: phase_of(stack, name) == "Bound", what="Bound")
+    eventually(lambda: phase_of(stack, name) == "Bound", what="Bound")
     stack.exporter.remove_gpu(uuid)
-    wait_for(lambda: devices(stack)[uuid]["status"]["state"] == "Missing", what="Missing", timeout_s=20)
-    wait_for(lambda: phase_of(stack, name) == "Lost", what="Lost", timeout_s=10)
+    eventually(lambda: devices(stack)[uuid]["status"]["state"] == "Missing", what="Missing", timeout_s=20)
+    eventually(lambda: phase_of(stack, name) == "Lost", what="Lost", timeout_s=10)
     warnings = [e for e in events_for(core, "jobs", "on-doomed-gpu") if e.reason == "GpuLost"]
     assert len(warnings) == 1
     assert warnings[0].type == "Warning"
@@ -315,12 +304,12 @@ def test_removed_gpu_goes_missing_and_its_reservations_lost(
 def test_replaced_uuid_shows_as_a_new_device(stack: LocalCluster) -> None:
     node, gpu = next((n, g) for n, g in stack.exporter.fleet().all_gpus() if n.name == "gpu-node-a")
     stack.exporter.replace_uuid(gpu.uuid, "GPU-11111111-2222-3333-4444-555555555555")
-    wait_for(
+    eventually(
         lambda: "GPU-11111111-2222-3333-4444-555555555555" in devices(stack),
         what="the new device",
         timeout_s=10,
     )
-    wait_for(
+    eventually(
         lambda: devices(stack)[gpu.uuid]["status"]["state"] == "Missing",
         what="old device Missing",
         timeout_s=20,

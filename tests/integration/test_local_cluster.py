@@ -16,20 +16,10 @@ from vramshare_e2e.cluster import (
     RUN_DURATION_ANNOTATION,
     ClusterSettings,
     LocalCluster,
+    eventually,
 )
 
 pytestmark = pytest.mark.cluster
-
-
-def wait_until(check, *, timeout_s: float = 30.0, interval_s: float = 0.2):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout_s} s")
-        time.sleep(interval_s)
 
 
 def pod(name: str, annotations: dict[str, str] | None = None) -> client.V1Pod:
@@ -102,16 +92,18 @@ def test_pod_is_scheduled_onto_a_fake_gpu_node_runs_and_completes(
     core.create_namespaced_pod(namespace, pod("keeps-running"))
     fleet_nodes = {n.name for n in cluster.settings.fleet.nodes}
 
-    done = wait_until(
-        lambda: (p := core.read_namespaced_pod("done", namespace)).status.phase == "Succeeded" and p
+    done = eventually(
+        lambda: (p := core.read_namespaced_pod("done", namespace)).status.phase == "Succeeded" and p,
+        what="the pod to succeed",
     )
     assert done.spec.node_name in fleet_nodes
     (status,) = done.status.container_statuses
     assert status.state.terminated.exit_code == 0
     assert status.state.terminated.reason == "Completed"
 
-    failed = wait_until(
-        lambda: (p := core.read_namespaced_pod("fails", namespace)).status.phase == "Failed" and p
+    failed = eventually(
+        lambda: (p := core.read_namespaced_pod("fails", namespace)).status.phase == "Failed" and p,
+        what="the pod to fail",
     )
     assert failed.status.container_statuses[0].state.terminated.exit_code == 3
 
@@ -153,7 +145,7 @@ def test_prometheus_serves_the_fleet_and_follows_changes(cluster: LocalCluster) 
         result = cluster.prometheus_query(f'DCGM_FI_DEV_FB_USED{{UUID="{target.uuid}"}}')
         return bool(result) and result[0]["value"][1] == "12345"
 
-    wait_until(seen, timeout_s=10)
+    eventually(seen, what="the new value in Prometheus", timeout_s=10)
     print(f"usage change visible in Prometheus after {time.monotonic() - started:.2f} s")
     cluster.exporter.set_used(target.uuid, 0)
 
@@ -171,7 +163,11 @@ def test_minted_user_without_permissions_is_refused_by_rbac(cluster: LocalCluste
     cluster.kubectl(
         "create", "rolebinding", "viewers", "-n", namespace, "--clusterrole=view", "--group=nogroup"
     )
-    wait_until(lambda: client.CoreV1Api(nobody).list_namespaced_pod(namespace) is not None, timeout_s=10)
+    eventually(
+        lambda: client.CoreV1Api(nobody).list_namespaced_pod(namespace) is not None,
+        what="the role binding to take effect",
+        timeout_s=10,
+    )
 
 
 def test_stop_leaves_nothing_running() -> None:
