@@ -76,6 +76,7 @@ class Admitter:
         self.ledger = ledger
         self.metrics = metrics
         self.clock = clock
+        self._commit_lock = asyncio.Lock()
 
     async def review(self, request: rv.Request) -> rv.Review:
         started = time.perf_counter()
@@ -178,76 +179,80 @@ class Admitter:
         attempt = 0
         while True:
             attempt += 1
-            snapshot = await self.ledger.snapshot()
-            decision = choose(
-                alloc,
-                snapshot.gpus,
-                snapshot.reservations,
-                settings=self.settings.allocation,
-                now=self.clock(),
-            )
-            if not isinstance(decision, Choice):
-                message = refusal_message(
-                    decision,
-                    max_sample_age_s=self.settings.max_sample_age_s,
-                    retry_hint=self.settings.retry_hint,
-                )
-                return Outcome(
-                    review=self._deny(request, message),
-                    outcome="refused",
-                    reason="no-gpu-fits",
-                    fields={**fields, "best_headroom_mib": decision.best_headroom_mib, "attempts": attempt},
-                )
-            gpu = decision.gpu
-            name = reservation_name(pod)
-            placement = Placement(reservation=name, gpu_uuid=gpu.uuid, gpu_index=gpu.index, node=gpu.node)
-            result = {
-                **fields,
-                "gpu": gpu.uuid,
-                "node": gpu.node,
-                "reservation": name,
-                "headroom_mib": decision.headroom.headroom_mib,
-                "attempts": attempt,
-            }
-            if request.dry_run:
-                return Outcome(
-                    review=rv.patched(request.uid, placement_patch(pod, placement)),
-                    outcome="admitted",
-                    reason="dry-run",
-                    fields=result,
-                )
-            obj = reservation_object(
-                name=name,
-                namespace=request.namespace,
-                pod=display_name(pod),
-                mib=mib,
-                gpu=gpu,
-                admission_uid=request.uid,
-            )
+            # One decision at a time per process: replicas still race (the commit's precondition settles
+            # that), but requests of one process no longer conflict with each other.
             try:
-                await self.ledger.commit(reservation=obj, gpu_uuid=gpu.uuid, token=snapshot.tokens[gpu.uuid])
-            except CommitConflictError:
-                self.metrics.conflicts.inc()
-                if time.monotonic() >= deadline:
-                    message = (
-                        f"could not reserve {mib} MiB for pod {request.namespace}/{display_name(pod)} "
-                        f"within {self.settings.decision_deadline_s:g} s: too many concurrent admissions "
-                        f"on the same GPUs. {self.settings.retry_hint}"
-                    )
-                    return Outcome(
-                        review=self._deny(request, message),
-                        outcome="refused",
-                        reason="contention",
-                        fields={**result, "attempts": attempt},
-                    )
-                await asyncio.sleep(min(0.2, 0.005 * 2**attempt) * (0.5 + secrets.randbelow(100) / 100))
-                continue
-            return Outcome(
-                review=rv.patched(request.uid, placement_patch(pod, placement)),
-                outcome="admitted",
-                reason="fits",
-                fields=result,
+                await asyncio.wait_for(self._commit_lock.acquire(), max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                return self._contention(request, mib=mib, fields={**fields, "attempts": attempt})
+            try:
+                outcome = await self._attempt(
+                    request, alloc=alloc, mib=mib, fields={**fields, "attempts": attempt}
+                )
+            finally:
+                self._commit_lock.release()
+            if outcome is not None:
+                return outcome
+            self.metrics.conflicts.inc()
+            if time.monotonic() >= deadline:
+                return self._contention(request, mib=mib, fields={**fields, "attempts": attempt})
+            await asyncio.sleep(min(0.2, 0.005 * 2**attempt) * (0.5 + secrets.randbelow(100) / 100))
+
+    async def _attempt(
+        self, request: rv.Request, *, alloc: AllocationRequest, mib: int, fields: dict[str, Any]
+    ) -> Outcome | None:
+        """Decide on a fresh snapshot and commit; None when the chosen GPU's ledger moved meanwhile."""
+        pod = request.object
+        snapshot = await self.ledger.snapshot()
+        decision = choose(
+            alloc, snapshot.gpus, snapshot.reservations, settings=self.settings.allocation, now=self.clock()
+        )
+        if not isinstance(decision, Choice):
+            message = refusal_message(
+                decision, max_sample_age_s=self.settings.max_sample_age_s, retry_hint=self.settings.retry_hint
             )
+            return Outcome(
+                review=self._deny(request, message),
+                outcome="refused",
+                reason="no-gpu-fits",
+                fields={**fields, "best_headroom_mib": decision.best_headroom_mib},
+            )
+        gpu = decision.gpu
+        name = reservation_name(pod)
+        placement = Placement(reservation=name, gpu_uuid=gpu.uuid, gpu_index=gpu.index, node=gpu.node)
+        result = {
+            **fields,
+            "gpu": gpu.uuid,
+            "node": gpu.node,
+            "reservation": name,
+            "headroom_mib": decision.headroom.headroom_mib,
+        }
+        patch = rv.patched(request.uid, placement_patch(pod, placement))
+        if request.dry_run:
+            return Outcome(review=patch, outcome="admitted", reason="dry-run", fields=result)
+        obj = reservation_object(
+            name=name,
+            namespace=request.namespace,
+            pod=display_name(pod),
+            mib=mib,
+            gpu=gpu,
+            admission_uid=request.uid,
+        )
+        try:
+            await self.ledger.commit(reservation=obj, gpu_uuid=gpu.uuid, token=snapshot.tokens[gpu.uuid])
+        except CommitConflictError:
+            return None
+        return Outcome(review=patch, outcome="admitted", reason="fits", fields=result)
+
+    def _contention(self, request: rv.Request, *, mib: int, fields: dict[str, Any]) -> Outcome:
+        message = (
+            f"could not reserve {mib} MiB for pod {request.namespace}/{display_name(request.object)} "
+            f"within {self.settings.decision_deadline_s:g} s: too many concurrent admissions "
+            f"on the same GPUs. {self.settings.retry_hint}"
+        )
+        return Outcome(
+            review=self._deny(request, message), outcome="refused", reason="contention", fields=fields
+        )
 
     def _deny(self, request: rv.Request, message: str) -> rv.Review:
         code = self.settings.denial_code
