@@ -52,6 +52,11 @@ test: venv tools lint typecheck contracts ## Everything: lint, types, contracts,
 demo: venv tools ## The whole system on a local control plane: pods admitted, placed, refused (KEEP=1 keeps it up)
 	$(BIN)/python -m vramshare_e2e.demo $(if $(FAST),--fast,)
 
+.PHONY: reliability
+reliability: venv tools ## The adversarial suite at larger sizes (RELIABILITY_PODS, RELIABILITY_FUZZ_CASES)
+	RELIABILITY_PODS=$${RELIABILITY_PODS:-1000} RELIABILITY_FUZZ_CASES=$${RELIABILITY_FUZZ_CASES:-5000} \
+		$(BIN)/pytest -s e2e/reliability
+
 .PHONY: cluster
 cluster: venv tools ## Run the local control plane in the foreground (Ctrl-C stops it)
 	$(BIN)/python -m vramshare_e2e.cluster

@@ -36,6 +36,7 @@ from vramshare_webhook.pod import (
     placement_patch,
     pod_annotations,
     requested_device_resources,
+    shape_problem,
     spoofed,
 )
 from vramshare_webhook.settings import WebhookSettings
@@ -112,6 +113,9 @@ class Admitter:
             return Outcome(
                 review=rv.allowed(request.uid), outcome="skipped", reason="not-a-pod-create", fields={}
             )
+        problem = shape_problem(pod)
+        if problem is not None:
+            return self._invalid(request, f"not a valid pod: {problem}", reason="malformed-pod")
         value = pod_annotations(pod).get(self.settings.annotation)
         if value is None:
             if self.settings.hide_gpus and not requested_device_resources(pod):

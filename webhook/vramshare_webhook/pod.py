@@ -32,6 +32,76 @@ HOSTNAME_LABEL = "kubernetes.io/hostname"
 CONTAINER_LISTS = ("initContainers", "containers")
 
 
+def shape_problem(pod: Obj) -> str | None:
+    """Why `pod` is not shaped like a Pod, for the fields vramshare reads; None when it is.
+
+    The API server only sends well-typed pods; this guards the webhook against anything else that
+    reaches its port, so such input gets a 400 instead of an internal error.
+    """
+    meta, spec = pod.get("metadata", {}), pod.get("spec", {})
+    if not isinstance(meta, dict):
+        return "metadata must be an object"
+    if not isinstance(spec, dict):
+        return "spec must be an object"
+    for key in ("name", "generateName"):
+        if key in meta and not isinstance(meta[key], str):
+            return f"metadata.{key} must be a string"
+    for key in ("annotations", "labels"):
+        value = meta.get(key)
+        if value is not None and not (
+            isinstance(value, dict)
+            and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items())
+        ):
+            return f"metadata.{key} must map strings to strings"
+    for key in ("nodeSelector", "affinity"):
+        if spec.get(key) is not None and not isinstance(spec[key], dict):
+            return f"spec.{key} must be an object"
+    node_affinity = (spec.get("affinity") or {}).get("nodeAffinity")
+    if node_affinity is not None:
+        required = (
+            node_affinity.get("requiredDuringSchedulingIgnoredDuringExecution")
+            if isinstance(node_affinity, dict)
+            else None
+        )
+        terms = required.get("nodeSelectorTerms") if isinstance(required, dict) else None
+        if (
+            not isinstance(node_affinity, dict)
+            or (required is not None and not isinstance(required, dict))
+            or (
+                terms is not None
+                and not (
+                    isinstance(terms, list)
+                    and all(
+                        isinstance(t, dict)
+                        and isinstance(t.get("matchExpressions") or [], list)
+                        and all(isinstance(e, dict) for e in t.get("matchExpressions") or [])
+                        for t in terms
+                    )
+                )
+            )
+        ):
+            return "spec.affinity.nodeAffinity must follow the NodeAffinity schema"
+    if spec.get("nodeName") is not None and not isinstance(spec["nodeName"], str):
+        return "spec.nodeName must be a string"
+    for key in CONTAINER_LISTS:
+        listed = spec.get(key)
+        if listed is None:
+            continue
+        if not isinstance(listed, list) or not all(isinstance(c, dict) for c in listed):
+            return f"spec.{key} must be a list of objects"
+        for i, c in enumerate(listed):
+            env = c.get("env")
+            if env is not None and not (isinstance(env, list) and all(isinstance(e, dict) for e in env)):
+                return f"spec.{key}[{i}].env must be a list of objects"
+            resources = c.get("resources")
+            if resources is not None and not (
+                isinstance(resources, dict)
+                and all(isinstance(resources.get(k) or {}, dict) for k in ("limits", "requests"))
+            ):
+                return f"spec.{key}[{i}].resources must be an object with limits and requests objects"
+    return None
+
+
 def pointer(*parts: str | int) -> str:
     """A JSON Pointer (RFC 6901): '~' is written '~0' and '/' is written '~1'."""
     return "".join("/" + str(p).replace("~", "~0").replace("/", "~1") for p in parts)

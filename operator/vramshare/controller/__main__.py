@@ -4,6 +4,7 @@ VRAMSHARE_* environment variables). Several replicas may run; the one holding th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import sys
@@ -58,33 +59,45 @@ async def run(settings: ControllerSettings) -> None:
             identity=settings.identity,
             duration_s=settings.lease_duration_s,
         )
-        await elector.acquire()
-        metrics.leader.set(1)
         source = DcgmSource(
             url=settings.prometheus_url, node_label=settings.node_label, selector=settings.metrics_selector
         )
-        controller = Controller(kube=kube, source=source, settings=settings, metrics=metrics)
-        stop = asyncio.Event()
-        tasks = [
-            asyncio.create_task(elector.hold(), name="lease"),
-            asyncio.create_task(controller.run_inventory(), name="inventory"),
-            asyncio.create_task(controller.run_sweeps(), name="sweeps"),
-            asyncio.create_task(
-                kopf.operator(
-                    registry=kopf_registry(controller), standalone=True, clusterwide=True, stop_flag=stop
-                ),
-                name="kopf",
+        # Lead while holding the Lease; on losing it (the API server was away for a whole lease
+        # duration, or another replica took over), stop acting and stand by again, without a restart.
+        while True:
+            await elector.acquire()
+            metrics.leader.set(1)
+            try:
+                await lead(Controller(kube=kube, source=source, settings=settings, metrics=metrics), elector)
+            except LeadershipLostError as exc:
+                log.warning("stepped down: leadership lost", error=str(exc))
+            finally:
+                metrics.leader.set(0)
+
+
+async def lead(controller: Controller, elector: LeaseElector) -> None:
+    """Run the leader's loops until one of them ends; re-raise why (LeadershipLostError above all)."""
+    stop = asyncio.Event()
+    tasks = [
+        asyncio.create_task(elector.hold(), name="lease"),
+        asyncio.create_task(controller.run_inventory(), name="inventory"),
+        asyncio.create_task(controller.run_sweeps(), name="sweeps"),
+        asyncio.create_task(
+            kopf.operator(
+                registry=kopf_registry(controller), standalone=True, clusterwide=True, stop_flag=stop
             ),
-        ]
-        try:
-            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-            for task in done:
-                task.result()  # re-raise what ended it (LeadershipLostError above all)
-        finally:
-            stop.set()
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            name="kopf",
+        ),
+    ]
+    try:
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        for task in done:
+            task.result()
+    finally:
+        stop.set()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def main() -> None:
@@ -97,13 +110,8 @@ def main() -> None:
     logging.getLogger("kopf").setLevel(logging.WARNING)
     if settings.kubeconfig:
         os.environ["KUBECONFIG"] = settings.kubeconfig  # for kopf's login through the kubernetes client
-    try:
+    with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(run(settings))
-    except LeadershipLostError as exc:
-        log.error("stopping: leadership lost", error=str(exc))
-        sys.exit(1)
-    except KeyboardInterrupt:
-        pass
 
 
 if __name__ == "__main__":

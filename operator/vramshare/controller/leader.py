@@ -1,8 +1,8 @@
 """Leader election on a coordination.k8s.io Lease, so that of several controller replicas one acts.
 
 All state lives in the API server, so a new leader simply starts reconciling. The leader renews the
-Lease every third of its duration; if it cannot renew before the Lease would expire it stops acting
-(the process exits and is restarted), so two replicas never act at once for longer than a renewal.
+Lease every third of its duration; if it cannot renew before the Lease would expire it stops acting and
+stands by again, so two replicas never act at once for longer than a renewal.
 """
 
 from __future__ import annotations
@@ -93,9 +93,16 @@ class LeaseElector:
             log.info("took over the lease", previous=holder, lease=f"{self.namespace}/{self.name}")
         return True
 
+    async def _try(self) -> bool:
+        try:
+            return await self.try_acquire()
+        except Exception as exc:  # the API server is away: keep trying, quietly
+            log.debug("lease not acquired", error=str(exc))
+            return False
+
     async def acquire(self) -> None:
         announced = False
-        while not await self.try_acquire():
+        while not await self._try():
             if not announced:
                 log.info(
                     "standing by: another replica holds the lease", lease=f"{self.namespace}/{self.name}"

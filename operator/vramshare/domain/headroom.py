@@ -9,6 +9,8 @@
   `free` (Kaapana's "free minus reserved") would double-count it.
 - `total - R_all` caps the promise by the ledger alone, so a pod that uses less than it asked never
   lets the GPU be promised beyond its size, and a sample older than a reservation is never trusted.
+  `total` here is what applications can have, `FB_FREE + FB_USED`: the driver's own `FB_RESERVED`
+  is part of the card but never available to pods.
 
 A GPU whose sample is too old to trust can, by setting, be judged by the ledger alone:
 `headroom = total - R_all - safety_margin`.
@@ -62,7 +64,8 @@ def headroom(
         reserved += r.mib
         if is_unseen(r, sampled_at=gpu.sampled_at, settle_s=settle_s):
             unseen += r.mib
-    by_ledger = gpu.total_mib - reserved
+    # What applications can ever have: the driver's own FB_RESERVED is never theirs.
+    by_ledger = gpu.total_mib - gpu.driver_reserved_mib - reserved
     room = by_ledger if ledger_only else min(gpu.free_mib - unseen, by_ledger)
     return Headroom(
         gpu_uuid=gpu.uuid,

@@ -9,7 +9,8 @@ Commit protocol (optimistic concurrency, no lock held anywhere):
 4. Create the GpuReservation, then bump the chosen GPU's token with a merge patch that carries the
    resourceVersion from step 1 as a precondition.
 5. If the token moved (409 Conflict: another replica committed on that GPU, or new metrics arrived),
-   delete our reservation and start again from step 1.
+   delete our reservation and start again from step 1. Otherwise label it committed, so observers
+   of the ledger can tell it from a candidate that may still be withdrawn.
 
 Any commit on a GPU between our steps 1 and 4 moves its token, so two admissions can never both
 succeed on a view that misses the other. A reservation left behind by a crash between steps 4 and 5
@@ -20,16 +21,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import structlog
+
 from vramshare.domain import Gpu, Reservation
 from vramshare.kube.client import ApiError, KubeClient, Obj
 from vramshare.kube.resources import (
     ANNOTATION_LEDGER,
+    LABEL_COMMITTED,
     device_name,
     devices_path,
     gpu_from_device,
     reservation_from_object,
     reservations_path,
 )
+
+log = structlog.get_logger("vramshare.ledger")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -92,6 +98,13 @@ class KubeLedger:
         except BaseException:
             await self._withdraw(created)
             raise
+        try:
+            await self.kube.merge_patch(
+                reservations_path(meta["namespace"], meta["name"]),
+                {"metadata": {"labels": {LABEL_COMMITTED: "true"}}},
+            )
+        except ApiError as exc:  # the booking stands either way; only its label lags
+            log.warning("reservation committed but not labelled", reservation=meta["name"], error=str(exc))
         return created
 
     async def _withdraw(self, created: Obj) -> None:

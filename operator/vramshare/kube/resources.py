@@ -23,6 +23,9 @@ ANNOTATION_NODE = "vramshare.io/node"
 ANNOTATION_PREFIX = "vramshare.io/"
 LABEL_RESERVATION = "vramshare.io/reservation"
 """On admitted pods: the reservation's name, so the controller can list GPU pods by label."""
+LABEL_COMMITTED = "vramshare.io/committed"
+"""On reservations: "false" from creation until the commit's precondition held, then "true". Deciders
+count both (a pending reservation may still win); observers of the ledger count only committed ones."""
 LABEL_GPU = "vramshare.io/gpu"
 """On reservations: the GpuDevice name, so the ledger of one GPU can be listed by label."""
 ANNOTATION_LEDGER = "vramshare.io/last-reservation"
@@ -107,7 +110,11 @@ def reservation_object(*, name: str, namespace: str, pod: str, mib: int, gpu: Gp
         "metadata": {
             "name": name,
             "namespace": namespace,
-            "labels": {LABEL_GPU: device_name(gpu.uuid), "app.kubernetes.io/managed-by": "vramshare"},
+            "labels": {
+                LABEL_GPU: device_name(gpu.uuid),
+                LABEL_COMMITTED: "false",
+                "app.kubernetes.io/managed-by": "vramshare",
+            },
         },
         "spec": {
             "podName": pod,

@@ -78,3 +78,9 @@ def test_ledger_only_ignores_live_free_memory() -> None:
     room = headroom(g, [r], settle_s=60, safety_margin_mib=100, ledger_only=True)
     assert room.ledger_only
     assert room.headroom_mib == 16_384 - 2_000 - 100
+
+
+def test_driver_reserved_memory_is_never_promised_by_the_ledger() -> None:
+    g = gpu(total=16_384, used=0, free=16_000)  # 384 MiB kept by the driver
+    settled = reservation(15_000, running_since=NOW - 600)  # a pod that uses nothing of what it booked
+    assert headroom(g, [settled], settle_s=60, safety_margin_mib=0).headroom_mib == 16_000 - 15_000

@@ -1,0 +1,513 @@
+"""The adversarial suite: vramshare under load, crashes, outages, hostile input and TLS probing.
+
+Runs in `make test` at sizes that fit CI; `make reliability` runs it larger (RELIABILITY_PODS).
+Every figure it measures is printed with a `[reliability]` prefix for docs/reliability.md.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import random
+import socket
+import ssl
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections import Counter, defaultdict
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from kubernetes import client, config
+from kubernetes.client.exceptions import ApiException
+
+from vramshare.kube.resources import ANNOTATION_RESERVATION
+from vramshare_e2e.cluster import LocalCluster, eventually
+from vramshare_e2e.components import start_controller, start_webhook, webhook_configuration
+
+pytestmark = pytest.mark.cluster
+PODS = int(os.environ.get("RELIABILITY_PODS", "300"))
+FUZZ_CASES = int(os.environ.get("RELIABILITY_FUZZ_CASES", "1000"))
+MARGIN = 512
+TTL_S = 8
+SHARDS = ("r1", "r2", "r3")
+SIZES = (1000, 2000, 3000, 5000, 8000)
+CONTROLLER_ENV = {
+    "VRAMSHARE_POLL_INTERVAL_S": "1",
+    "VRAMSHARE_LIFECYCLE_INTERVAL_S": "1",
+    "VRAMSHARE_RESERVATION_TTL_S": str(TTL_S),
+    "VRAMSHARE_LEASE_DURATION_S": "4",
+    "VRAMSHARE_SAFETY_MARGIN_MIB": str(MARGIN),
+    "VRAMSHARE_SETTLE_S": "2",
+    "VRAMSHARE_LOG_LEVEL": "warning",
+}
+
+
+def report(line: str) -> None:
+    print(f"\n[reliability] {line}", flush=True)
+
+
+class Stack:
+    def __init__(self, cluster: LocalCluster) -> None:
+        self.cluster = cluster
+        api = config.new_client_from_config(config_file=str(cluster.kubeconfig))
+        self.core: Any = client.CoreV1Api(api)
+        self.custom: Any = client.CustomObjectsApi(api)
+        self.ports: dict[str, int] = {}
+        self.controller_ports: dict[str, int] = {}
+
+    def reservations(self) -> list[dict[str, Any]]:
+        return list(
+            self.custom.list_cluster_custom_object("vramshare.io", "v1alpha1", "gpureservations")["items"]
+        )
+
+    def capacity(self) -> dict[str, int]:
+        """What the ledger may hold per GPU: free memory minus the margin (nothing else uses fake GPUs)."""
+        return {g.uuid: g.free_mib - MARGIN for _, g in self.cluster.exporter.fleet().all_gpus()}
+
+
+@pytest.fixture(scope="module")
+def stack() -> Iterator[Stack]:
+    with LocalCluster.start() as cluster:
+        s = Stack(cluster)
+        env = {
+            "VRAMSHARE_SAFETY_MARGIN_MIB": str(MARGIN),
+            "VRAMSHARE_SETTLE_S": "2",
+            "VRAMSHARE_LOG_LEVEL": "warning",
+        }
+        for shard in SHARDS:
+            s.ports[shard] = start_webhook(cluster, name=f"webhook-{shard}", env=env)[1]
+        cluster.apply_objects([webhook_configuration(cluster, ports=s.ports)])
+        for shard in SHARDS:
+            cluster.apply_objects(
+                [
+                    {
+                        "apiVersion": "v1",
+                        "kind": "Namespace",
+                        "metadata": {"name": f"load-{shard}", "labels": {"vramshare-e2e/shard": shard}},
+                    }
+                ]
+            )
+        for name in ("controller-1", "controller-2"):
+            s.controller_ports[name] = start_controller(cluster, name=name, env=CONTROLLER_ENV)[1]
+        eventually(
+            lambda: len(cluster.kubectl("get", "gpudevices", "-o", "name").split()) == 5,
+            what="the GPU inventory",
+            timeout_s=30,
+        )
+        yield s
+
+
+def gpu_pod(name: str, mib: int) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "annotations": {"gpu-mem-mb": str(mib)}},
+        "spec": {"restartPolicy": "Never", "containers": [{"name": "base", "image": "example.invalid/x"}]},
+    }
+
+
+def leader_of(stack: Stack) -> str:
+    lease = json.loads(
+        stack.cluster.kubectl("get", "lease", "vramshare-controller", "-n", "default", "-o", "json")
+    )
+    return str(lease["spec"]["holderIdentity"])
+
+
+def metric(port: int, name: str) -> float | None:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+            for line in resp.read().decode().splitlines():
+                if line.startswith(name + " "):
+                    return float(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def test_concurrency_with_crashes_keeps_every_promise(stack: Stack) -> None:
+    """PODS concurrent creations over three webhook processes, oversubscribing the fleet; a webhook is
+    SIGKILLed mid-load and restarted, and so is the active controller. Checked continuously and after."""
+    capacity = stack.capacity()
+    rng = random.Random(7)
+    sizes = [rng.choice(SIZES) for _ in range(PODS)]
+    violations: list[str] = []
+    peak: dict[str, int] = defaultdict(int)
+    stop = threading.Event()
+
+    def monitor() -> None:
+        while not stop.is_set():
+            booked: dict[str, int] = defaultdict(int)
+            holders: dict[str, list[str]] = defaultdict(list)
+            for r in stack.reservations():
+                phase = r.get("status", {}).get("phase", "Reserved")
+                committed = r["metadata"].get("labels", {}).get("vramshare.io/committed") == "true"
+                if phase == "Bound" or (phase == "Reserved" and committed):
+                    booked[r["spec"]["gpuUUID"]] += r["spec"]["memoryMiB"]
+                    holders[r["spec"]["gpuUUID"]].append(
+                        f"{r['metadata']['name']}:{r['spec']['memoryMiB']}:{phase}:{committed}"
+                    )
+            for uuid, mib in booked.items():
+                peak[uuid] = max(peak[uuid], mib)
+                if mib > capacity[uuid]:
+                    violations.append(f"{uuid}: {mib} MiB booked > {capacity[uuid]}: {holders[uuid]}")
+            time.sleep(0.3)
+
+    watcher = threading.Thread(target=monitor, daemon=True)
+    watcher.start()
+    outcomes: Counter[str] = Counter()
+    admitted: dict[tuple[str, str], str] = {}
+    lock = threading.Lock()
+
+    def create(i: int) -> None:
+        ns = f"load-{SHARDS[i % 3]}"
+        try:
+            pod = stack.core.create_namespaced_pod(ns, gpu_pod(f"p{i}", sizes[i]))
+        except ApiException as exc:
+            body = str(exc.body)
+            kind = (
+                "refused"
+                if exc.status == 403
+                else ("webhook-down" if "failed calling webhook" in body else f"error-{exc.status}")
+            )
+            with lock:
+                outcomes[kind] += 1
+            return
+        with lock:
+            outcomes["admitted"] += 1
+            admitted[(ns, f"p{i}")] = pod.metadata.annotations[ANNOTATION_RESERVATION]
+
+    leader = leader_of(stack)
+    standby = "controller-2" if leader == "controller-1" else "controller-1"
+    started = time.monotonic()
+    failover_s = None
+    with ThreadPoolExecutor(max_workers=48) as pool:
+        futures = [pool.submit(create, i) for i in range(PODS)]
+        while sum(f.done() for f in futures) < PODS // 3:
+            time.sleep(0.05)
+        stack.cluster.stop_component("webhook-r2", kill=True)  # SIGKILL in the middle of the load
+        stack.cluster.stop_component(leader, kill=True)
+        killed_at = time.monotonic()
+        time.sleep(2)
+        stack.cluster.start_component("webhook-r2")
+        for f in futures:
+            f.result()
+    load_s = time.monotonic() - started
+    failover_s = eventually(
+        lambda: (
+            metric(stack.controller_ports[standby], "vramshare_controller_leader") == 1.0
+            and time.monotonic() - killed_at
+        ),
+        what="failover to the stand-by controller",
+        timeout_s=20,
+    )
+    stack.cluster.start_component(leader)
+    stop.set()
+    watcher.join()
+
+    report(f"load: {PODS} pods over 3 webhook processes in {load_s:.1f} s; outcomes {dict(outcomes)}")
+    report(f"controller failover after SIGKILL: {failover_s:.1f} s (lease 4 s)")
+    assert violations == [], violations[:3]
+    assert outcomes["admitted"] > 0
+    assert outcomes["refused"] > 0  # the fleet was oversubscribed
+    assert set(outcomes) <= {"admitted", "refused", "webhook-down"}, outcomes
+
+    # After the TTL: exactly one active reservation per admitted pod, none for refused or failed ones,
+    # and every admitted pod's reservation Bound (no Bound reservation lost across the crashes).
+    def settled() -> bool:
+        active = {
+            (r["metadata"]["namespace"], r["metadata"]["name"]): r
+            for r in stack.reservations()
+            if r.get("status", {}).get("phase", "Reserved") in ("Reserved", "Bound")
+        }
+        return sorted(active) == sorted((ns, name) for (ns, _), name in admitted.items()) and all(
+            r["status"]["phase"] == "Bound" for r in active.values()
+        )
+
+    eventually(settled, what="active reservations == admitted pods, all Bound", timeout_s=TTL_S + 30)
+    expired = sum(1 for r in stack.reservations() if r.get("status", {}).get("phase") == "Expired")
+    fill = sum(peak.values()) / sum(capacity.values())
+    report(
+        f"orphans from the killed webhook expired after the TTL: {expired}; "
+        f"peak ledger fill {fill:.0%} of capacity minus margin; 0 violations in continuous checks"
+    )
+    for shard in SHARDS:
+        stack.cluster.kubectl("delete", "pods", "--all", "-n", f"load-{shard}", "--wait=false")
+
+
+def test_api_server_restart_is_survived_without_restarting_vramshare(stack: Stack) -> None:
+    eventually(
+        lambda: not [r for r in stack.reservations() if r["metadata"]["namespace"].startswith("load-")],
+        what="the load's reservations to be garbage-collected",
+        timeout_s=60,
+    )
+    before = json.loads(stack.cluster.kubectl("get", "gpudevices", "-o", "json"))["items"][0]["status"][
+        "sampledAt"
+    ]
+    stack.cluster.stop_component("kube-apiserver")
+    time.sleep(3)
+    started = time.monotonic()
+    stack.cluster.start_component("kube-apiserver")
+    pod = eventually(
+        lambda: _try_create(stack, "after-restart", 1000), what="an admission after the restart", timeout_s=60
+    )
+    report(f"API server restart: first admission {time.monotonic() - started:.1f} s after it was ready again")
+    assert pod.metadata.annotations[ANNOTATION_RESERVATION]
+
+    def fresh() -> bool:
+        items = json.loads(stack.cluster.kubectl("get", "gpudevices", "-o", "json"))["items"]
+        return items[0]["status"]["sampledAt"] != before and {i["status"]["state"] for i in items} == {
+            "Ready"
+        }
+
+    eventually(fresh, what="the inventory to move on", timeout_s=30)
+    name = pod.metadata.annotations[ANNOTATION_RESERVATION]
+    eventually(
+        lambda: any(
+            r["metadata"]["name"] == name and r.get("status", {}).get("phase") == "Bound"
+            for r in stack.reservations()
+        ),
+        what="the lifecycle to move on",
+        timeout_s=30,
+    )
+    for component in stack.cluster.components.values():
+        assert component.running, f"{component.name} died with the API server"
+
+
+def _try_create(stack: Stack, name: str, mib: int) -> Any:
+    try:
+        return stack.core.create_namespaced_pod("load-r1", gpu_pod(name, mib))
+    except (ApiException, OSError, urllib.error.URLError):
+        return None
+
+
+# -- hostile input ---------------------------------------------------------------------------------
+
+json_scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**63)
+    | st.floats(allow_nan=False)
+    | st.text(max_size=20)
+)
+json_values = st.recursive(
+    json_scalars,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner, max_size=4),
+    max_leaves=12,
+)
+
+
+def mostly(valid: st.SearchStrategy[Any], invalid: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    """Three in four draws from `valid`, so most cases reach the decision, not just the guards."""
+    return st.one_of(valid, valid, valid, invalid)
+
+
+annotation_values = st.sampled_from(
+    ["4096", "", "0", "-1", "1.5", "1e3", "abc", "9" * 30, " 12 ", "\u0664"]
+) | st.text(max_size=12)
+env_entries = st.lists(
+    st.fixed_dictionaries(
+        {
+            "name": st.sampled_from(["NVIDIA_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES", "X"]),
+            "value": st.text(max_size=8),
+        }
+    ),
+    max_size=3,
+)
+containers = st.lists(
+    st.fixed_dictionaries(
+        {"name": st.text(min_size=1, max_size=8), "env": mostly(env_entries, json_values)},
+        optional={"resources": json_values},
+    ),
+    max_size=3,
+)
+pods = (
+    st.fixed_dictionaries(
+        {
+            "metadata": st.fixed_dictionaries(
+                {},
+                optional={
+                    "name": st.text(max_size=20),
+                    "generateName": st.text(max_size=20),
+                    "annotations": mostly(
+                        st.dictionaries(
+                            st.sampled_from(
+                                ["gpu-mem-mb", "vramshare.io/gpu-uuid", "vramshare.io/x", "other"]
+                            ),
+                            annotation_values,
+                            max_size=3,
+                        ),
+                        json_values,
+                    ),
+                    "labels": mostly(
+                        st.dictionaries(st.text(max_size=8), st.text(max_size=8), max_size=2), json_values
+                    ),
+                },
+            ),
+            "spec": st.fixed_dictionaries(
+                {},
+                optional={
+                    "containers": mostly(containers, json_values),
+                    "initContainers": containers,
+                    "nodeName": st.text(max_size=10),
+                    "nodeSelector": mostly(
+                        st.dictionaries(
+                            st.sampled_from(["kubernetes.io/hostname", "zone"]),
+                            st.text(max_size=8),
+                            max_size=2,
+                        ),
+                        json_values,
+                    ),
+                    "affinity": json_values,
+                },
+            ),
+        }
+    )
+    | json_values
+)
+requests_ = st.fixed_dictionaries(
+    {
+        "uid": mostly(st.uuids().map(str), st.text(max_size=5) | json_values),
+        "operation": st.sampled_from(["CREATE"] * 6 + ["UPDATE", "DELETE", "CONNECT", "PATCH"]),
+        "kind": mostly(st.just({"kind": "Pod"}), st.just({"kind": "Service"}) | json_values),
+        "namespace": st.sampled_from(["load-r1", "", "other"]),
+        "object": mostly(pods, json_values),
+        "dryRun": st.sampled_from([True] * 9 + [False]),
+    },
+    optional={"oldObject": json_values, "userInfo": json_values},
+)
+reviews = mostly(
+    st.fixed_dictionaries(
+        {
+            "apiVersion": st.sampled_from(["admission.k8s.io/v1"] * 8 + ["admission.k8s.io/v1beta1", "x"]),
+            "kind": st.sampled_from(["AdmissionReview"] * 8 + ["Other"]),
+            "request": mostly(requests_, json_values),
+        }
+    ),
+    json_values,
+)
+
+
+def test_fuzzed_admission_reviews_get_a_review_or_a_400(stack: Stack) -> None:
+    port = stack.ports["r1"]
+    ctx = ssl.create_default_context()
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    statuses: Counter[int] = Counter()
+    started = time.monotonic()
+
+    @settings(
+        max_examples=FUZZ_CASES,
+        deadline=None,
+        derandomize=True,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
+    @given(body=reviews, content_type=st.sampled_from(["application/json"] * 9 + ["text/plain"]))
+    def check(body: Any, content_type: str) -> None:
+        data = json.dumps(body).encode()
+        req = urllib.request.Request(
+            f"https://127.0.0.1:{port}/mutate",
+            data=data,
+            method="POST",
+            headers={"Content-Type": content_type},
+        )
+        try:
+            with urllib.request.urlopen(req, context=ctx, timeout=15) as resp:
+                status, payload = resp.status, resp.read()
+        except urllib.error.HTTPError as exc:
+            status, payload = exc.code, exc.read()
+        statuses[status] += 1
+        assert status in (200, 400), (status, payload[:300])
+        answer = json.loads(payload)
+        if status == 200:
+            # Never a 500 for user input, not even inside a well-formed review.
+            assert answer["response"].get("status", {}).get("code") != 500, answer
+            assert answer["apiVersion"] == "admission.k8s.io/v1"
+            assert answer["kind"] == "AdmissionReview"
+            assert isinstance(answer["response"]["allowed"], bool)
+            assert answer["response"]["uid"] == body["request"]["uid"]
+            if "patch" in answer["response"]:
+                assert isinstance(json.loads(base64.b64decode(answer["response"]["patch"])), list)
+        else:
+            assert answer["error"]
+
+    check()
+    with urllib.request.urlopen(f"https://127.0.0.1:{port}/healthz", context=ctx, timeout=5) as resp:
+        assert resp.status == 200
+    assert stack.cluster.components["webhook-r1"].running
+    report(
+        f"fuzzing: {sum(statuses.values())} generated reviews in {time.monotonic() - started:.0f} s, "
+        f"answers {dict(statuses)}, no 500, server still serving"
+    )
+
+
+# -- spoofing, device-plugin pods ------------------------------------------------------------------
+
+
+def test_device_plugin_pods_without_the_annotation_are_left_alone(stack: Stack) -> None:
+    stack.cluster.kubectl("label", "namespace", "load-r3", "vramshare.io/managed=true", "--overwrite")
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "plugin-pod", "namespace": "load-r3"},
+        "spec": {
+            "containers": [
+                {
+                    "name": "c",
+                    "image": "x",
+                    "resources": {"limits": {"nvidia.com/gpu": "1"}},
+                    "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}],
+                }
+            ]
+        },
+    }
+    created = json.loads(stack.cluster.kubectl("create", "-f", "-", "-o", "json", stdin=json.dumps(pod)))
+    assert created["spec"]["containers"][0]["env"] == [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}]
+    assert "vramshare.io/reservation" not in created["metadata"].get("annotations", {})
+
+
+# -- TLS -------------------------------------------------------------------------------------------
+
+
+def test_plain_http_and_old_tls_are_refused(stack: Stack) -> None:
+    port = stack.ports["r1"]
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as raw:
+        raw.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        try:
+            answer = raw.recv(1024)
+        except ConnectionResetError:
+            answer = b""
+    assert b"200 OK" not in answer
+    old = subprocess.run(
+        ["openssl", "s_client", "-connect", f"127.0.0.1:{port}", "-tls1_1", "-cipher", "DEFAULT@SECLEVEL=0"],
+        input="",
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert old.returncode != 0
+    # The server, not our client, refuses: the client did offer TLS 1.1 (no "no protocols available"),
+    # and the server answered with a protocol-version alert or hung up mid-handshake.
+    assert "no protocols available" not in old.stderr, old.stderr[-500:]
+    assert any(
+        m in old.stderr for m in ("alert protocol version", "unsupported protocol", "unexpected eof")
+    ), old.stderr[-500:]
+    modern = subprocess.run(
+        ["openssl", "s_client", "-connect", f"127.0.0.1:{port}", "-tls1_2"],
+        input="",
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert "TLSv1.2" in modern.stdout
+    report(
+        "TLS: plain HTTP gets no answer; TLS 1.1 refused by the server; "
+        "TLS 1.2 accepted"
+    )
