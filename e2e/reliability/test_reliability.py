@@ -507,7 +507,4 @@ def test_plain_http_and_old_tls_are_refused(stack: Stack) -> None:
         timeout=30,
     )
     assert "TLSv1.2" in modern.stdout
-    report(
-        "TLS: plain HTTP gets no answer; TLS 1.1 refused by the server; "
-        "TLS 1.2 accepted"
-    )
+    report("TLS: plain HTTP gets no answer; TLS 1.1 refused by the server; TLS 1.2 accepted")
