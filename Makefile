@@ -52,6 +52,14 @@ test: venv tools lint typecheck contracts ## Everything: lint, types, contracts,
 demo: venv tools ## The whole system on a local control plane: pods admitted, placed, refused (KEEP=1 keeps it up)
 	$(BIN)/python -m vramshare_e2e.demo $(if $(FAST),--fast,)
 
+.PHONY: bench-admission
+bench-admission: venv tools ## Pod creation through vramshare vs a no-webhook baseline; decision cost curve
+	$(BIN)/python -m vramshare_e2e.bench_admission --out bench/results
+
+.PHONY: bench-packing
+bench-packing: venv ## Packing quality of vramshare vs Kaapana-like, whole-GPU and time-slicing (simulated)
+	$(BIN)/python -m vramshare_e2e.bench_packing --out bench/results
+
 .PHONY: reliability
 reliability: venv tools ## The adversarial suite at larger sizes (RELIABILITY_PODS, RELIABILITY_FUZZ_CASES)
 	RELIABILITY_PODS=$${RELIABILITY_PODS:-1000} RELIABILITY_FUZZ_CASES=$${RELIABILITY_FUZZ_CASES:-5000} \

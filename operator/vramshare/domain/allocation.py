@@ -146,9 +146,14 @@ def choose(
     Ties are broken by node name, then index, then UUID, so the same inputs always give the same
     answer (replicas agree, tests are stable).
     """
-    active = [r for r in reservations if r.is_active]
+    # Group the ledger by GPU once, so the cost grows with GPUs + reservations, not their product.
+    by_gpu: dict[str, list[Reservation]] = {}
+    for r in reservations:
+        if r.is_active:
+            by_gpu.setdefault(r.gpu_uuid, []).append(r)
     verdicts = tuple(
-        _judge(gpu, request, active, settings=settings, now=now) for gpu in sorted(gpus, key=_gpu_order)
+        _judge(gpu, request, by_gpu.get(gpu.uuid, []), settings=settings, now=now)
+        for gpu in sorted(gpus, key=_gpu_order)
     )
     fitting = [v for v in verdicts if v.fits and v.headroom is not None]
     if not fitting:

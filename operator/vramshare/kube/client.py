@@ -153,9 +153,24 @@ class KubeClient:
     async def get(self, path: str) -> Obj:
         return await self.request("GET", path)
 
-    async def list(self, path: str, *, label_selector: str | None = None) -> Obj:
-        params = {"labelSelector": label_selector} if label_selector else None
-        return await self.request("GET", path, params=params)
+    async def list(
+        self,
+        path: str,
+        *,
+        label_selector: str | None = None,
+        resource_version: str | None = None,
+        not_older_than: bool = False,
+    ) -> Obj:
+        """LIST. `resource_version="0"` reads the API server's cache as it is (no wait for freshness);
+        with `not_older_than`, a cache at least as new as `resource_version`."""
+        params = {}
+        if label_selector:
+            params["labelSelector"] = label_selector
+        if resource_version is not None:
+            params["resourceVersion"] = resource_version
+            if not_older_than:
+                params["resourceVersionMatch"] = "NotOlderThan"
+        return await self.request("GET", path, params=params or None)
 
     async def create(self, path: str, obj: Obj, *, dry_run: bool = False) -> Obj:
         return await self.request("POST", path, body=obj, params={"dryRun": "All"} if dry_run else None)

@@ -3,8 +3,8 @@
 Commit protocol (optimistic concurrency, no lock held anywhere):
 
 1. List GpuDevices, noting each one's resourceVersion (the GPU's *ledger token*).
-2. List GpuReservations. Every reservation committed before step 1 is in this list, because a commit
-   creates its reservation before it bumps the token.
+2. List GpuReservations at least as new as that list. Every reservation committed before a token
+   was written is in it, because a commit creates its reservation before it bumps the token.
 3. Decide with the pure domain.
 4. Create the GpuReservation, then bump the chosen GPU's token with a merge patch that carries the
    resourceVersion from step 1 as a precondition.
@@ -57,8 +57,14 @@ class KubeLedger:
         self.kube = kube
 
     async def snapshot(self) -> Snapshot:
-        devices = await self.kube.list(devices_path())
-        listed = await self.kube.list(reservations_path())  # strictly after the devices: see above
+        # Both reads come from the API server's cache, without its wait for a fresh etcd revision
+        # (tens of ms per LIST). The devices may be slightly stale: a stale token only turns into a
+        # conflict at commit. The reservations are read at least as new as the devices' list, so every
+        # reservation committed before any token we hold is in them.
+        devices = await self.kube.list(devices_path(), resource_version="0")
+        listed = await self.kube.list(
+            reservations_path(), resource_version=devices["metadata"]["resourceVersion"], not_older_than=True
+        )
         gpus, tokens = [], {}
         for obj in devices.get("items", []):
             gpu = gpu_from_device(obj)

@@ -1,0 +1,332 @@
+"""`make bench-admission`: what vramshare adds to pod creation, against a no-webhook baseline measured
+in the same run on the same API server, and how the pure decision grows with the fleet and the ledger.
+
+1. At each concurrency level, create pods twice: plain pods in a namespace no webhook sees (the
+   baseline), and annotated pods through two webhook replicas (reservations committed). Report
+   p50/p95/p99 create latency and throughput for both and their ratios, the webhooks' own decision
+   latency and conflict retries, and the peak resident memory of the webhook and controller processes.
+2. Time `choose()` with headroom as GPUs (8 ... 4096) and active reservations (100 ... 100 000) grow,
+   and the webhook's end-to-end decision with many reservations present in the API server.
+
+    python -m vramshare_e2e.bench_admission [--smoke] [--out bench/results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import ssl
+import statistics
+import time
+import urllib.request
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from kubernetes import client, config
+
+from vramshare.domain import AllocationRequest, AllocationSettings, Gpu, Reservation, ReservationPhase, choose
+from vramshare_e2e.cluster import LocalCluster
+from vramshare_e2e.components import start_controller, start_webhook, webhook_configuration
+
+NOW = 1_800_000_000.0
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def _stats(latencies: list[float], wall_s: float) -> dict[str, float]:
+    return {
+        "p50_ms": round(percentile(latencies, 0.50) * 1000, 2),
+        "p95_ms": round(percentile(latencies, 0.95) * 1000, 2),
+        "p99_ms": round(percentile(latencies, 0.99) * 1000, 2),
+        "pods_per_s": round(len(latencies) / wall_s, 1),
+    }
+
+
+def _create_all(
+    core: Any, namespaces: list[str], pods: int, concurrency: int, annotated: bool, tag: str
+) -> tuple[list[float], float, int]:
+    def one(i: int) -> tuple[float, bool]:
+        body = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": f"{tag}-{i}", "annotations": {"gpu-mem-mb": "10"} if annotated else {}},
+            "spec": {
+                "restartPolicy": "Never",
+                "containers": [{"name": "base", "image": "example.invalid/x"}],
+            },
+        }
+        started = time.perf_counter()
+        try:
+            core.create_namespaced_pod(namespaces[i % len(namespaces)], body)
+            ok = True
+        except client.exceptions.ApiException:
+            ok = False
+        return time.perf_counter() - started, ok
+
+    started = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+        results = list(pool.map(one, range(pods)))
+    wall = time.perf_counter() - started
+    return [r[0] for r in results], wall, sum(1 for r in results if not r[1])
+
+
+def _webhook_metrics(ports: list[int]) -> dict[str, float]:
+    ctx = ssl.create_default_context()
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    totals: dict[str, float] = {}
+    for port in ports:
+        with urllib.request.urlopen(f"https://127.0.0.1:{port}/metrics", context=ctx, timeout=5) as resp:
+            for line in resp.read().decode().splitlines():
+                m = re.match(r"^(vramshare_webhook_[a-z_]+(?:\{[^}]*\})?) ([0-9.e+-]+)$", line)
+                if m:
+                    totals[m.group(1)] = totals.get(m.group(1), 0.0) + float(m.group(2))
+    return totals
+
+
+def _decision_quantiles(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    buckets = sorted(
+        (float(m.group(1)), after[k] - before.get(k, 0.0))
+        for k in after
+        if (m := re.match(r'vramshare_webhook_decision_seconds_bucket\{le="([^"]+)"\}', k))
+    )
+    total = buckets[-1][1] if buckets else 0
+
+    def q(x: float) -> float:
+        return next((b for b, n in buckets if n >= x * total), float("inf")) * 1000
+
+    count = after.get("vramshare_webhook_decision_seconds_count", 0) - before.get(
+        "vramshare_webhook_decision_seconds_count", 0
+    )
+    mean = (
+        (
+            after.get("vramshare_webhook_decision_seconds_sum", 0)
+            - before.get("vramshare_webhook_decision_seconds_sum", 0)
+        )
+        / count
+        * 1000
+        if count
+        else 0.0
+    )
+    return {"p50_ms_at_most": q(0.5), "p99_ms_at_most": q(0.99), "mean_ms": round(mean, 2)}
+
+
+def _peak_rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return round(int(line.split()[1]) / 1024, 1)
+    return float("nan")
+
+
+def _clean(cluster: LocalCluster, namespaces: list[str]) -> None:
+    for ns in namespaces:
+        cluster.kubectl("delete", "pods", "--all", "-n", ns, "--wait=false", "--grace-period=0", "--force")
+        cluster.kubectl("delete", "gpureservations", "--all", "-n", ns, "--wait=false")
+
+
+def admission(*, smoke: bool, show: Callable[[str], None]) -> dict[str, Any]:
+    levels = [1, 4] if smoke else [1, 16, 64]
+    pods = 12 if smoke else 240
+    result: dict[str, Any] = {"pods_per_level": pods, "levels": {}}
+    with LocalCluster.start() as cluster:
+        env = {"VRAMSHARE_LOG_LEVEL": "warning", "VRAMSHARE_SAFETY_MARGIN_MIB": "0"}
+        ports = [start_webhook(cluster, name=f"webhook-{s}", env=env)[1] for s in ("a", "b")]
+        cluster.apply_objects([webhook_configuration(cluster, ports={"a": ports[0], "b": ports[1]})])
+        start_controller(
+            cluster,
+            name="controller",
+            env={"VRAMSHARE_LOG_LEVEL": "warning", "VRAMSHARE_POLL_INTERVAL_S": "2"},
+        )
+        for ns, labels in (
+            ("plain", {}),
+            ("gpu-a", {"vramshare-e2e/shard": "a"}),
+            ("gpu-b", {"vramshare-e2e/shard": "b"}),
+        ):
+            cluster.apply_objects(
+                [{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns, "labels": labels}}]
+            )
+        cluster.wait_for(
+            lambda: len(cluster.kubectl("get", "gpudevices", "-o", "name").split()) == 5,
+            what="the inventory",
+            timeout_s=30,
+        )
+        api = config.new_client_from_config(config_file=str(cluster.kubeconfig))  # type: ignore[no-untyped-call]
+        core = client.CoreV1Api(api)
+        # Warm up both paths (connections, caches, the webhooks' first LISTs).
+        _create_all(core, ["plain"], 4, 2, False, "warm")
+        _create_all(core, ["gpu-a", "gpu-b"], 4, 2, True, "warm")
+        _clean(cluster, ["plain", "gpu-a", "gpu-b"])
+        for level in levels:
+            show(f"concurrency {level}: {pods} plain pods, then {pods} GPU pods through 2 webhook replicas")
+            base_lat, base_wall, base_err = _create_all(core, ["plain"], pods, level, False, f"b{level}")
+            before = _webhook_metrics(ports)
+            vs_lat, vs_wall, vs_err = _create_all(core, ["gpu-a", "gpu-b"], pods, level, True, f"v{level}")
+            after = _webhook_metrics(ports)
+            base, vs = _stats(base_lat, base_wall), _stats(vs_lat, vs_wall)
+            result["levels"][str(level)] = {
+                "baseline": base,
+                "vramshare": vs,
+                "ratio_p50": round(vs["p50_ms"] / base["p50_ms"], 2),
+                "ratio_p99": round(vs["p99_ms"] / base["p99_ms"], 2),
+                "errors": {"baseline": base_err, "vramshare": vs_err},
+                "webhook_decision": _decision_quantiles(before, after),
+                "conflicts_retried": after.get("vramshare_webhook_commit_conflicts_total", 0)
+                - before.get("vramshare_webhook_commit_conflicts_total", 0),
+            }
+            _clean(cluster, ["plain", "gpu-a", "gpu-b"])
+            time.sleep(2)
+        result["peak_rss_mib"] = {
+            name: _peak_rss_mib(cluster.components[name].process.pid)  # type: ignore[union-attr]
+            for name in ("webhook-a", "webhook-b", "controller")
+        }
+        result["with_many_reservations"] = _many_reservations(
+            cluster, core, ports, count=300 if smoke else 10_000, show=show
+        )
+    return result
+
+
+def _many_reservations(
+    cluster: LocalCluster, core: Any, ports: list[int], *, count: int, show: Callable[[str], None]
+) -> dict[str, Any]:
+    """The webhook's end-to-end decision with `count` reservations present in the API server."""
+    show(f"creating {count} reservations in the API server")
+    gpu = json.loads(cluster.kubectl("get", "gpudevices", "-o", "json"))["items"][0]["spec"]
+    custom = client.CustomObjectsApi(core.api_client)
+
+    def one(i: int) -> None:
+        custom.create_namespaced_custom_object(
+            "vramshare.io",
+            "v1alpha1",
+            "plain",
+            "gpureservations",
+            {
+                "apiVersion": "vramshare.io/v1alpha1",
+                "kind": "GpuReservation",
+                "metadata": {"name": f"filler-{i}", "labels": {"vramshare.io/committed": "true"}},
+                "spec": {
+                    "podName": f"filler-{i}",
+                    "memoryMiB": 1,
+                    "nodeName": gpu["nodeName"],
+                    "gpuUUID": gpu["uuid"],
+                    "gpuIndex": gpu["index"],
+                },
+            },
+        )
+
+    started = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        list(pool.map(one, range(count)))
+    show(f"  created in {time.perf_counter() - started:.0f} s")
+    before = _webhook_metrics(ports)
+    lat, wall, errors = _create_all(core, ["gpu-a", "gpu-b"], 40, 1, True, "many")
+    after = _webhook_metrics(ports)
+    return {
+        "reservations": count,
+        "create": _stats(lat, wall),
+        "errors": errors,
+        "webhook_decision": _decision_quantiles(before, after),
+    }
+
+
+def decision_curve(*, smoke: bool) -> dict[str, Any]:
+    """Median time of `choose()` (with headroom) for fleets and ledgers of growing size."""
+    settings = AllocationSettings()
+    gpu_sizes = [8, 64] if smoke else [8, 64, 512, 4096]
+    reservation_sizes = [100, 1_000] if smoke else [100, 10_000, 100_000]
+    out: dict[str, Any] = {"ms": {}}
+    for n_gpus in gpu_sizes:
+        gpus = [
+            Gpu(
+                uuid=f"GPU-{i}",
+                node=f"node-{i // 8}",
+                index=i % 8,
+                model="sim",
+                total_mib=81_920,
+                used_mib=1_000,
+                free_mib=80_920,
+                sampled_at=NOW,
+            )
+            for i in range(n_gpus)
+        ]
+        for n_res in reservation_sizes:
+            ledger = [
+                Reservation(
+                    name=f"r{i}",
+                    namespace="ns",
+                    pod=f"p{i}",
+                    mib=1,
+                    node="node-0",
+                    gpu_uuid=f"GPU-{i % n_gpus}",
+                    gpu_index=0,
+                    phase=ReservationPhase.BOUND,
+                    reserved_at=NOW - 100,
+                    pod_running_since=NOW - 100,
+                )
+                for i in range(n_res)
+            ]
+            request = AllocationRequest(mib=4_096, namespace="ns", pod="p")
+            runs = []
+            for _ in range(3 if n_res >= 100_000 else 7):
+                started = time.perf_counter()
+                choose(request, gpus, ledger, settings=settings, now=NOW)
+                runs.append(time.perf_counter() - started)
+            out["ms"][f"{n_gpus}x{n_res}"] = round(statistics.median(runs) * 1000, 3)
+    return out
+
+
+def run(*, smoke: bool, out: Path, show: Callable[[str], None] = print) -> dict[str, Any]:
+    report = {"smoke": smoke, "levels": {}}
+    adm = admission(smoke=smoke, show=show)
+    report.update(adm)
+    report["decision_curve"] = decision_curve(smoke=smoke)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "admission.json").write_text(json.dumps(report, indent=2) + "\n")
+    show(summary(report))
+    return report
+
+
+def summary(report: dict[str, Any]) -> str:
+    lines = [
+        f"Admission: {report['pods_per_level']} pods per level; baseline = plain pods, same API server",
+        f"{'conc':>4}  {'base p50':>9} {'p95':>8} {'p99':>8} {'pods/s':>7}  {'vram p50':>9} {'p95':>8} "
+        f"{'p99':>8} {'pods/s':>7}  {'r50':>5} {'r99':>5}  {'decision p50/p99':>17}  conflicts",
+    ]
+    for level, r in report["levels"].items():
+        b, v, d = r["baseline"], r["vramshare"], r["webhook_decision"]
+        lines.append(
+            f"{level:>4}  {b['p50_ms']:>7.1f}ms {b['p95_ms']:>6.1f}ms {b['p99_ms']:>6.1f}ms "
+            f"{b['pods_per_s']:>7.1f}  {v['p50_ms']:>7.1f}ms {v['p95_ms']:>6.1f}ms {v['p99_ms']:>6.1f}ms "
+            f"{v['pods_per_s']:>7.1f}  {r['ratio_p50']:>5.2f} {r['ratio_p99']:>5.2f}  "
+            f"<={d['p50_ms_at_most']:>5.0f}/<={d['p99_ms_at_most']:>5.0f}ms  {r['conflicts_retried']:.0f}"
+        )
+    many = report["with_many_reservations"]
+    lines.append(
+        f"with {many['reservations']} reservations in the API server: create p50 "
+        f"{many['create']['p50_ms']:.1f} ms, decision mean {many['webhook_decision']['mean_ms']:.1f} ms"
+    )
+    lines.append(f"peak RSS MiB: {report['peak_rss_mib']}")
+    lines.append(
+        "choose() median ms (GPUs x reservations): "
+        + ", ".join(f"{k}: {v}" for k, v in report["decision_curve"]["ms"].items())
+    )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    args = parser.parse_args(argv)
+    run(smoke=args.smoke, out=args.out, show=lambda s: print(s, flush=True))
+
+
+if __name__ == "__main__":
+    main()

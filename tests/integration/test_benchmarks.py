@@ -1,0 +1,55 @@
+"""Both benchmarks in their smoke mode: they run, write consistent JSON, and keep working.
+Timings are printed, never asserted."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from vramshare_e2e import bench_admission, bench_packing
+
+
+def test_packing_smoke(tmp_path: Path) -> None:
+    report = bench_packing.run(smoke=True, out=tmp_path, show=print)
+    assert json.loads((tmp_path / "packing.json").read_text()) == report
+    assert (tmp_path / "packing.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    designs = report["designs"]
+    assert set(designs) == {
+        "vramshare-spread",
+        "vramshare-binpack",
+        "kaapana-like",
+        "whole-gpu",
+        "time-slicing",
+    }
+    jobs = bench_packing.workload(True, report["workload"]["seed"])
+    last_possible = max(j.arrival_s for j in jobs)
+    for name, r in designs.items():
+        assert 0 < r["utilisation_vs_fluid"] <= 1.0, name  # nobody beats the fluid bound
+        assert r["makespan_s"] > last_possible, name
+        assert r["p95_wait_s"] >= 0
+        assert r["mean_wait_s"] >= 0
+        assert r["retries"] >= r["oom_events"] >= 0
+    # Every job stays within its request, so the reservation-based designs never run out of memory.
+    assert designs["vramshare-spread"]["oom_events"] == 0
+    assert designs["vramshare-binpack"]["oom_events"] == 0
+    assert designs["whole-gpu"]["oom_events"] == 0
+
+
+@pytest.mark.cluster
+def test_admission_smoke(tmp_path: Path) -> None:
+    report = bench_admission.run(smoke=True, out=tmp_path, show=print)
+    assert json.loads((tmp_path / "admission.json").read_text()) == report
+    assert set(report["levels"]) == {"1", "4"}
+    for level in report["levels"].values():
+        for side in ("baseline", "vramshare"):
+            s = level[side]
+            assert 0 < s["p50_ms"] <= s["p95_ms"] <= s["p99_ms"]
+            assert s["pods_per_s"] > 0
+        assert level["errors"] == {"baseline": 0, "vramshare": 0}
+        assert level["ratio_p50"] == round(level["vramshare"]["p50_ms"] / level["baseline"]["p50_ms"], 2)
+        assert level["webhook_decision"]["mean_ms"] > 0
+    assert all(v > 0 for v in report["peak_rss_mib"].values())
+    assert report["with_many_reservations"]["errors"] == 0
+    assert all(v > 0 for v in report["decision_curve"]["ms"].values())
