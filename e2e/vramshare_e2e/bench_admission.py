@@ -185,17 +185,28 @@ def admission(*, smoke: bool, show: Callable[[str], None]) -> dict[str, Any]:
             name: _peak_rss_mib(cluster.components[name].process.pid)  # type: ignore[union-attr]
             for name in ("webhook-a", "webhook-b", "controller")
         }
-        result["with_many_reservations"] = _many_reservations(
-            cluster, core, ports, count=300 if smoke else 10_000, show=show
-        )
+        count = 300 if smoke else 10_000
+        # History first (ended reservations, kept for the retention period), then the same number live.
+        result["with_many_reservations"] = {
+            "history": _many_reservations(cluster, core, ports, count=count, active=False, show=show),
+            "active": _many_reservations(cluster, core, ports, count=count, active=True, show=show),
+        }
     return result
 
 
 def _many_reservations(
-    cluster: LocalCluster, core: Any, ports: list[int], *, count: int, show: Callable[[str], None]
+    cluster: LocalCluster,
+    core: Any,
+    ports: list[int],
+    *,
+    count: int,
+    active: bool,
+    show: Callable[[str], None],
 ) -> dict[str, Any]:
-    """The webhook's end-to-end decision with `count` reservations present in the API server."""
-    show(f"creating {count} reservations in the API server")
+    """The webhook's end-to-end decision with `count` more reservations present in the API server:
+    ended ones (`active=False`, labelled inactive as the controller does) or live ones."""
+    kind = "live" if active else "ended"
+    show(f"creating {count} {kind} reservations in the API server")
     gpu = json.loads(cluster.kubectl("get", "gpudevices", "-o", "json"))["items"][0]["spec"]
     custom = client.CustomObjectsApi(core.api_client)
 
@@ -208,7 +219,10 @@ def _many_reservations(
             {
                 "apiVersion": "vramshare.io/v1alpha1",
                 "kind": "GpuReservation",
-                "metadata": {"name": f"filler-{i}", "labels": {"vramshare.io/committed": "true"}},
+                "metadata": {
+                    "name": f"{kind}-{i}",
+                    "labels": {"vramshare.io/committed": "true", "vramshare.io/active": str(active).lower()},
+                },
                 "spec": {
                     "podName": f"filler-{i}",
                     "memoryMiB": 1,
@@ -224,7 +238,7 @@ def _many_reservations(
         list(pool.map(one, range(count)))
     show(f"  created in {time.perf_counter() - started:.0f} s")
     before = _webhook_metrics(ports)
-    lat, wall, errors = _create_all(core, ["gpu-a", "gpu-b"], 40, 1, True, "many")
+    lat, wall, errors = _create_all(core, ["gpu-a", "gpu-b"], 40, 1, True, f"many-{kind}")
     after = _webhook_metrics(ports)
     return {
         "reservations": count,
@@ -305,11 +319,11 @@ def summary(report: dict[str, Any]) -> str:
             f"{v['pods_per_s']:>7.1f}  {r['ratio_p50']:>5.2f} {r['ratio_p99']:>5.2f}  "
             f"<={d['p50_ms_at_most']:>5.0f}/<={d['p99_ms_at_most']:>5.0f}ms  {r['conflicts_retried']:.0f}"
         )
-    many = report["with_many_reservations"]
-    lines.append(
-        f"with {many['reservations']} reservations in the API server: create p50 "
-        f"{many['create']['p50_ms']:.1f} ms, decision mean {many['webhook_decision']['mean_ms']:.1f} ms"
-    )
+    for kind, many in report["with_many_reservations"].items():
+        lines.append(
+            f"with {many['reservations']} more {kind} reservations in the API server: create p50 "
+            f"{many['create']['p50_ms']:.1f} ms, decision mean {many['webhook_decision']['mean_ms']:.1f} ms"
+        )
     lines.append(f"peak RSS MiB: {report['peak_rss_mib']}")
     lines.append(
         "choose() median ms (GPUs x reservations): "

@@ -51,5 +51,6 @@ def test_admission_smoke(tmp_path: Path) -> None:
         assert level["ratio_p50"] == round(level["vramshare"]["p50_ms"] / level["baseline"]["p50_ms"], 2)
         assert level["webhook_decision"]["mean_ms"] > 0
     assert all(v > 0 for v in report["peak_rss_mib"].values())
-    assert report["with_many_reservations"]["errors"] == 0
+    for many in report["with_many_reservations"].values():
+        assert many["errors"] == 0
     assert all(v > 0 for v in report["decision_curve"]["ms"].values())

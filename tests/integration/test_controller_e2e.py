@@ -127,6 +127,12 @@ def test_reservation_goes_reserved_bound_released_with_events(
     assert bound["metadata"]["ownerReferences"][0]["uid"] == pod.metadata.uid
     eventually(lambda: phase_of(stack, name) == "Released", what="Released")
     assert reservation(stack, name)["status"]["reason"] == "PodFinished"
+    # Ended: labelled inactive, so the webhook's LIST of the live ledger skips it.
+    eventually(
+        lambda: reservation(stack, name)["metadata"]["labels"].get("vramshare.io/active") == "false",
+        what="the inactive label",
+        timeout_s=10,
+    )
     messages = [e.message for e in events_for(core, "jobs", "short-task")]
     uuid = pod.metadata.annotations[ANNOTATION_GPU_UUID]
     assert any(m.startswith(f"Reserved 4096 MiB on {uuid} (") for m in messages), messages

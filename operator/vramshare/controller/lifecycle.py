@@ -12,7 +12,13 @@ from typing import Any
 
 from vramshare.domain import PodState, ReservationPhase, due_for_cleanup, next_phase
 from vramshare.kube.client import ApiError, KubeClient, Obj
-from vramshare.kube.resources import format_time, parse_time, reservation_from_object, reservations_path
+from vramshare.kube.resources import (
+    LABEL_ACTIVE,
+    format_time,
+    parse_time,
+    reservation_from_object,
+    reservations_path,
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -59,10 +65,12 @@ class Plan:
     owner: PodInfo | None = None
     event: PodEvent | None = None
     delete: bool = False
+    deactivate: bool = False
+    """Label the reservation inactive: it has ended, and the webhook's LIST should skip it."""
 
     @property
     def empty(self) -> bool:
-        return not self.status and self.owner is None and self.event is None and not self.delete
+        return not (self.status or self.owner or self.event or self.delete or self.deactivate)
 
 
 def plan(
@@ -120,7 +128,15 @@ def plan(
     if transition is None and not res.is_active:
         finished = res.finished_at if res.finished_at is not None else res.reserved_at
         delete = due_for_cleanup(phase=res.phase, finished_age_s=now - finished, retention_s=retention_s)
-    return Plan(status=status, owner=owner, event=event, delete=delete)
+    ended = (transition is not None and not transition.phase.is_active) or not res.is_active
+    labelled_active = (obj["metadata"].get("labels") or {}).get(LABEL_ACTIVE) != "false"
+    return Plan(
+        status=status,
+        owner=owner,
+        event=event,
+        delete=delete,
+        deactivate=ended and labelled_active and not delete,
+    )
 
 
 async def apply(
@@ -146,8 +162,13 @@ async def apply(
             )
             version = patched["metadata"]["resourceVersion"]
         if the_plan.status:
-            await kube.merge_patch(
+            patched = await kube.merge_patch(
                 f"{path}/status", {"metadata": {"resourceVersion": version}, "status": the_plan.status}
+            )
+            version = patched["metadata"]["resourceVersion"]
+        if the_plan.deactivate:
+            await kube.merge_patch(
+                path, {"metadata": {"resourceVersion": version, "labels": {LABEL_ACTIVE: "false"}}}
             )
     except ApiError as exc:
         if exc.not_found or exc.conflict:  # deleted or changed meanwhile: the next look decides again

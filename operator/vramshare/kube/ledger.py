@@ -27,6 +27,7 @@ from vramshare.domain import Gpu, Reservation
 from vramshare.kube.client import ApiError, KubeClient, Obj
 from vramshare.kube.resources import (
     ANNOTATION_LEDGER,
+    LABEL_ACTIVE,
     LABEL_COMMITTED,
     device_name,
     devices_path,
@@ -62,8 +63,13 @@ class KubeLedger:
         # conflict at commit. The reservations are read at least as new as the devices' list, so every
         # reservation committed before any token we hold is in them.
         devices = await self.kube.list(devices_path(), resource_version="0")
+        # Only the live ledger: ended reservations are labelled inactive by the controller. A reservation
+        # without the label (made by hand) is counted, to be safe.
         listed = await self.kube.list(
-            reservations_path(), resource_version=devices["metadata"]["resourceVersion"], not_older_than=True
+            reservations_path(),
+            label_selector=f"{LABEL_ACTIVE}!=false",
+            resource_version=devices["metadata"]["resourceVersion"],
+            not_older_than=True,
         )
         gpus, tokens = [], {}
         for obj in devices.get("items", []):

@@ -26,6 +26,9 @@ LABEL_RESERVATION = "vramshare.io/reservation"
 LABEL_COMMITTED = "vramshare.io/committed"
 """On reservations: "false" from creation until the commit's precondition held, then "true". Deciders
 count both (a pending reservation may still win); observers of the ledger count only committed ones."""
+LABEL_ACTIVE = "vramshare.io/active"
+"""On reservations: "true" while Reserved or Bound, "false" once ended (set by the controller), so the
+webhook lists only the live ledger, not the history kept for the retention period."""
 LABEL_GPU = "vramshare.io/gpu"
 """On reservations: the GpuDevice name, so the ledger of one GPU can be listed by label."""
 ANNOTATION_LEDGER = "vramshare.io/last-reservation"
@@ -113,6 +116,7 @@ def reservation_object(*, name: str, namespace: str, pod: str, mib: int, gpu: Gp
             "labels": {
                 LABEL_GPU: device_name(gpu.uuid),
                 LABEL_COMMITTED: "false",
+                LABEL_ACTIVE: "true",
                 "app.kubernetes.io/managed-by": "vramshare",
             },
         },

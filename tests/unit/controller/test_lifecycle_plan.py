@@ -116,3 +116,17 @@ def test_conditions_keep_transition_times_while_unchanged() -> None:
     times = {c["type"]: c["lastTransitionTime"] for c in flipped}
     assert times["Stale"] == format_time(NOW)
     assert times["Ready"] == format_time(NOW - 100)
+
+
+def test_ended_reservations_are_labelled_inactive_once() -> None:
+    released = make(
+        obj("Bound", owners=[{"uid": "uid-1"}], podUID="uid-1", podRunningSince=format_time(NOW - 30)),
+        PodInfo(name="task", uid="uid-1", phase="Failed", running_since=NOW - 30),
+    )
+    assert released.deactivate
+    already = obj("Released", finishedAt=format_time(NOW - 10))
+    already["metadata"]["labels"] = {"vramshare.io/active": "false"}
+    assert make(already, None).empty
+    assert not make(
+        obj("Bound", owners=[{"uid": "uid-1"}], podUID="uid-1", podRunningSince=format_time(NOW - 30))
+    ).deactivate
