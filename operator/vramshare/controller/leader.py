@@ -108,7 +108,7 @@ class LeaseElector:
                     "standing by: another replica holds the lease", lease=f"{self.namespace}/{self.name}"
                 )
                 announced = True
-            await asyncio.sleep(max(0.5, self.duration_s / 5))
+            await asyncio.sleep(max(0.25, self.duration_s / 10))  # take over soon after expiry
         log.info("leading", identity=self.identity)
 
     async def hold(self) -> None:
