@@ -31,7 +31,7 @@ from vramshare_webhook.pod import (
     Placement,
     display_name,
     hide_gpus_patch,
-    pinned_node,
+    pinned_nodes,
     placement_of,
     placement_patch,
     pod_annotations,
@@ -177,7 +177,7 @@ class Admitter:
     async def _allocate(self, request: rv.Request, *, mib: int, fields: dict[str, Any]) -> Outcome:
         pod = request.object
         alloc = AllocationRequest(
-            mib=mib, namespace=request.namespace, pod=display_name(pod), node=pinned_node(pod)
+            mib=mib, namespace=request.namespace, pod=display_name(pod), nodes=pinned_nodes(pod)
         )
         deadline = time.monotonic() + self.settings.decision_deadline_s
         attempt = 0

@@ -140,30 +140,36 @@ def requested_device_resources(pod: Obj) -> list[str]:
     return sorted(found)
 
 
-def pinned_node(pod: Obj) -> str | None:
-    """The one node the pod is already pinned to, if any.
+def pinned_nodes(pod: Obj) -> frozenset[str] | None:
+    """The nodes the pod is already confined to, if it is; None when it may go anywhere.
 
-    Read from `spec.nodeName`, a `kubernetes.io/hostname` nodeSelector, or a required node affinity
-    whose every term allows exactly the same single hostname.
+    From `spec.nodeName`, a `kubernetes.io/hostname` nodeSelector, and a required node affinity whose
+    every term allows hostnames with `In` (terms are ORed: their hostnames add up). Several of these
+    together intersect. Other constraints (zones, labels) are left to the scheduler.
     """
     spec = pod.get("spec", {})
+    allowed: list[frozenset[str]] = []
     if spec.get("nodeName"):
-        return str(spec["nodeName"])
+        allowed.append(frozenset([str(spec["nodeName"])]))
     selector = spec.get("nodeSelector") or {}
     if selector.get(HOSTNAME_LABEL):
-        return str(selector[HOSTNAME_LABEL])
+        allowed.append(frozenset([str(selector[HOSTNAME_LABEL])]))
     terms = _required_terms(spec)
-    hosts = set()
+    union: set[str] = set()
     for term in terms:
-        values = [
-            tuple(e.get("values") or [])
+        hosts = [
+            frozenset(str(v) for v in e.get("values") or [])
             for e in term.get("matchExpressions") or []
             if e.get("key") == HOSTNAME_LABEL and e.get("operator") == "In"
         ]
-        if len(values) != 1 or len(values[0]) != 1:
-            return None
-        hosts.add(values[0][0])
-    return str(hosts.pop()) if len(hosts) == 1 else None
+        if not hosts:
+            union = set()
+            break  # this term allows any host: the affinity does not confine the pod
+        union |= frozenset.intersection(*hosts)
+    else:
+        if terms:
+            allowed.append(frozenset(union))
+    return frozenset.intersection(*allowed) if allowed else None
 
 
 def _required_terms(spec: Obj) -> list[Obj]:

@@ -110,7 +110,7 @@ def _judge(
     def verdict(excluded: Exclusion | None, room: Headroom | None = None) -> GpuVerdict:
         return GpuVerdict(gpu=gpu, headroom=room, excluded=excluded, sample_age_s=age)
 
-    if request.node is not None and gpu.node != request.node:
+    if request.nodes is not None and gpu.node not in request.nodes:
         return verdict(Exclusion.OTHER_NODE)
     if gpu.missing:
         return verdict(Exclusion.MISSING)

@@ -53,7 +53,13 @@ def describe_verdict(verdict: GpuVerdict, *, max_sample_age_s: float) -> str:
 def refusal_message(refusal: Refusal, *, max_sample_age_s: float, retry_hint: str) -> str:
     """The denial message an Airflow user reads; `retry_hint` says how the task will be retried."""
     request = refusal.request
-    where = f" on node {request.node}" if request.node else ""
+    nodes = sorted(request.nodes) if request.nodes is not None else None
+    if nodes is None:
+        where = ""
+    elif not nodes:
+        where = " on any node its node constraints allow (they allow none)"
+    else:
+        where = f" on node{'s' if len(nodes) > 1 else ''} {', '.join(nodes)}"
     head = f"no GPU{where} has {request.mib} MiB of headroom for pod {request.namespace}/{request.pod}"
     if not refusal.verdicts:
         return (

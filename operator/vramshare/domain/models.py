@@ -87,5 +87,5 @@ class AllocationRequest:
     namespace: str
     pod: str
     """The pod's name (or generateName prefix) for messages."""
-    node: str | None = None
-    """Set when the pod is already pinned to a node: only that node's GPUs are candidates."""
+    nodes: frozenset[str] | None = None
+    """Set when the pod is already pinned to some nodes: only their GPUs are candidates."""

@@ -56,5 +56,6 @@ def reservation(
     )
 
 
-def request(mib: int, *, node: str | None = None) -> AllocationRequest:
-    return AllocationRequest(mib=mib, namespace="airflow", pod="train-model-x", node=node)
+def request(mib: int, *, node: str | None = None, nodes: frozenset[str] | None = None) -> AllocationRequest:
+    allowed = frozenset([node]) if node is not None else nodes
+    return AllocationRequest(mib=mib, namespace="airflow", pod="train-model-x", nodes=allowed)

@@ -120,3 +120,11 @@ def test_no_gpus_is_a_refusal_without_verdicts() -> None:
     assert isinstance(decision, Refusal)
     assert decision.verdicts == ()
     assert decision.best_headroom_mib is None
+
+
+def test_several_allowed_nodes_limit_candidates() -> None:
+    decision = choose(
+        request(1_000, nodes=frozenset({"node-b", "node-x"})), fleet(), [], settings=NO_MARGIN, now=NOW
+    )
+    assert isinstance(decision, Choice)
+    assert decision.gpu.uuid == "GPU-small"

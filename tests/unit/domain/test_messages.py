@@ -51,3 +51,22 @@ def test_large_fleets_are_summarised() -> None:
     assert message.count("MiB headroom (") == 8
     assert "and 3 more missing, 492 more too-small" in message
     assert len(message) < 2_500
+
+
+def test_message_names_several_allowed_nodes_or_none() -> None:
+    several = choose(
+        request(100_000, nodes=frozenset({"node-b", "node-a"})),
+        [gpu()],
+        [],
+        settings=AllocationSettings(),
+        now=NOW,
+    )
+    assert isinstance(several, Refusal)
+    assert refusal_message(several, max_sample_age_s=120, retry_hint=HINT).startswith(
+        "no GPU on nodes node-a, node-b has 100000 MiB"
+    )
+    nowhere = choose(request(1, nodes=frozenset()), [gpu()], [], settings=AllocationSettings(), now=NOW)
+    assert isinstance(nowhere, Refusal)
+    assert "on any node its node constraints allow (they allow none)" in refusal_message(
+        nowhere, max_sample_age_s=120, retry_hint=HINT
+    )

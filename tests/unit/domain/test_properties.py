@@ -77,7 +77,7 @@ requests = st.builds(
     mib=st.integers(1, 100_000),
     namespace=st.just("ns"),
     pod=st.just("p"),
-    node=st.none() | st.sampled_from(["node-a", "node-b"]),
+    nodes=st.none() | st.frozensets(st.sampled_from(["node-a", "node-b", "node-c"]), max_size=2),
 )
 
 
@@ -128,8 +128,8 @@ def test_choice_fits_and_follows_the_policy(
         assert decision.headroom.headroom_mib >= request.mib
         assert not decision.gpu.missing
         assert decision.gpu.healthy
-        if request.node is not None:
-            assert decision.gpu.node == request.node
+        if request.nodes is not None:
+            assert decision.gpu.node in request.nodes
         expected = max(fitting) if config.policy is Policy.SPREAD else min(fitting)
         assert decision.headroom.headroom_mib == expected
     else:

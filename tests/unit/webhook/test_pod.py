@@ -10,7 +10,7 @@ import pytest
 from vramshare_webhook.pod import (
     Placement,
     hide_gpus_patch,
-    pinned_node,
+    pinned_nodes,
     placement_of,
     placement_patch,
     pointer,
@@ -185,19 +185,40 @@ def hostname_terms(*terms: list[str]) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize(
-    ("spec", "node"),
+    ("spec", "nodes"),
     [
         ({}, None),
-        ({"nodeName": "n1"}, "n1"),
-        ({"nodeSelector": {"kubernetes.io/hostname": "n2"}}, "n2"),
-        (hostname_terms(["n3"]), "n3"),
-        (hostname_terms(["n3"], ["n3"]), "n3"),
-        (hostname_terms(["n3", "n4"]), None),
-        (hostname_terms(["n3"], ["n4"]), None),
+        ({"nodeName": "n1"}, {"n1"}),
+        ({"nodeSelector": {"kubernetes.io/hostname": "n2"}}, {"n2"}),
+        (hostname_terms(["n3"]), {"n3"}),
+        (hostname_terms(["n3"], ["n3"]), {"n3"}),
+        (hostname_terms(["n3", "n4"]), {"n3", "n4"}),
+        (hostname_terms(["n3"], ["n4"]), {"n3", "n4"}),
+        ({**hostname_terms(["n3", "n4"]), "nodeSelector": {"kubernetes.io/hostname": "n4"}}, {"n4"}),
+        ({**hostname_terms(["n3"]), "nodeSelector": {"kubernetes.io/hostname": "n4"}}, set()),
+        (
+            {
+                "affinity": {
+                    "nodeAffinity": {
+                        "requiredDuringSchedulingIgnoredDuringExecution": {
+                            "nodeSelectorTerms": [
+                                {
+                                    "matchExpressions": [
+                                        {"key": "kubernetes.io/hostname", "operator": "In", "values": ["n3"]}
+                                    ]
+                                },
+                                {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["z1"]}]},
+                            ]
+                        }
+                    }
+                }
+            },
+            None,
+        ),
     ],
 )
-def test_pinned_node(spec: dict[str, Any], node: str | None) -> None:
-    assert pinned_node(pod(**spec)) == node
+def test_pinned_nodes(spec: dict[str, Any], nodes: set[str] | None) -> None:
+    assert pinned_nodes(pod(**spec)) == (None if nodes is None else frozenset(nodes))
 
 
 def test_device_plugin_resources_are_detected() -> None:
