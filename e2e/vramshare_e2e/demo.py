@@ -55,7 +55,7 @@ class Outcome:
 def tasks(fast: bool) -> tuple[list[Task], Task, Task]:
     scale = 1.0 if fast else 3.0
     first_wave = [
-        Task(name="train-resnet", mib=30_000, run_s=8 * scale),
+        Task(name="train-resnet", mib=30_000, run_s=12 * scale),
         Task(name="train-bert", mib=30_000, run_s=40 * scale),
         Task(name="embed-docs", mib=8_000, run_s=5 * scale),
         Task(name="infer-batch-1", mib=4_000, run_s=3 * scale),

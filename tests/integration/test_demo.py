@@ -34,7 +34,7 @@ def test_demo_scenario() -> None:
 
     # Retried after tasks finished, it is admitted where train-resnet's memory was released.
     assert outcome.retry_admitted == {"gpu": outcome.admitted["train-resnet"]["gpu"], "node": "gpu-node-a"}
-    assert outcome.retry_attempts >= 2
+    assert outcome.retry_attempts >= 1
 
     assert outcome.hidden_pod_env == "none"
     assert outcome.final is not None

@@ -52,7 +52,7 @@ async def _certificates(settings: WebhookSettings, kube: KubeClient) -> tuple[Re
 async def serve(settings: WebhookSettings) -> None:
     connection = Connection.load(kubeconfig=settings.kubeconfig or None)
     async with KubeClient(connection, user_agent="vramshare-webhook") as kube:
-        ledger = KubeLedger(kube)
+        ledger = KubeLedger(kube, max_age_s=settings.snapshot_max_age_s)
         tls, secret = await _certificates(settings, kube)
         synced = asyncio.Event()
 

@@ -40,6 +40,9 @@ class WebhookSettings:
     retry_after_s: int = 60
     hide_gpus: bool = True
     """Give pods without the annotation NVIDIA_VISIBLE_DEVICES=none (only managed namespaces reach it)."""
+    snapshot_max_age_s: float = 1.0
+    """Reuse a view of the inventory and ledger for this long, with this process's own commits applied
+    (a conflict drops it); longer is faster under bursts, but sees released memory later."""
     decision_deadline_s: float = 8.0
     """Give up retrying conflicts after this long; keep it below the webhook's timeoutSeconds."""
     host: str = "0.0.0.0"

@@ -15,10 +15,17 @@ Commit protocol (optimistic concurrency, no lock held anywhere):
 Any commit on a GPU between our steps 1 and 4 moves its token, so two admissions can never both
 succeed on a view that misses the other. A reservation left behind by a crash between steps 4 and 5
 has no pod and expires after the TTL; it can only make the GPU look fuller, never overbooked.
+
+A snapshot is reused for up to `max_age_s`, with this process's own commits applied to it (the new
+reservation, and the token the bump returned). That is safe for the same reason: a GPU whose token
+still matches has seen no commit and no new sample since; any other change turns into a conflict,
+which drops the cached snapshot. Reuse only delays seeing memory that was released meanwhile.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import structlog
@@ -54,10 +61,23 @@ class CommitConflictError(Exception):
 
 
 class KubeLedger:
-    def __init__(self, kube: KubeClient) -> None:
+    def __init__(
+        self, kube: KubeClient, *, max_age_s: float = 1.0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.kube = kube
+        self.max_age_s = max_age_s
+        self.clock = clock
+        self._cached: Snapshot | None = None
+        self._cached_at = 0.0
 
     async def snapshot(self) -> Snapshot:
+        if self._cached is not None and self.clock() - self._cached_at < self.max_age_s:
+            return self._cached
+        self._cached = await self._read()
+        self._cached_at = self.clock()
+        return self._cached
+
+    async def _read(self) -> Snapshot:
         # Both reads come from the API server's cache, without its wait for a fresh etcd revision
         # (tens of ms per LIST). The devices may be slightly stale: a stale token only turns into a
         # conflict at commit. The reservations are read at least as new as the devices' list, so every
@@ -93,7 +113,7 @@ class KubeLedger:
         meta = reservation["metadata"]
         created = await self.kube.create(reservations_path(meta["namespace"]), reservation)
         try:
-            await self.kube.merge_patch(
+            bumped = await self.kube.merge_patch(
                 devices_path(device_name(gpu_uuid)),
                 {
                     "metadata": {
@@ -103,11 +123,13 @@ class KubeLedger:
                 },
             )
         except ApiError as exc:
+            self._cached = None
             await self._withdraw(created)
             if exc.conflict or exc.not_found:
                 raise CommitConflictError(f"GPU {gpu_uuid} changed while deciding") from exc
             raise
         except BaseException:
+            self._cached = None
             await self._withdraw(created)
             raise
         try:
@@ -117,6 +139,13 @@ class KubeLedger:
             )
         except ApiError as exc:  # the booking stands either way; only its label lags
             log.warning("reservation committed but not labelled", reservation=meta["name"], error=str(exc))
+        if self._cached is not None:  # our own commit, applied to the snapshot we keep
+            cached = self._cached
+            self._cached = Snapshot(
+                gpus=cached.gpus,
+                reservations=(*cached.reservations, reservation_from_object(created)),
+                tokens={**cached.tokens, gpu_uuid: bumped["metadata"]["resourceVersion"]},
+            )
         return created
 
     async def _withdraw(self, created: Obj) -> None:
