@@ -45,7 +45,7 @@ log = structlog.get_logger("vramshare.webhook")
 
 
 class Ledger(Protocol):
-    async def snapshot(self) -> Snapshot: ...
+    async def snapshot(self, *, fresh: bool = False) -> Snapshot: ...
     async def get_reservation(self, namespace: str, name: str) -> dict[str, Any] | None: ...
     async def commit(self, *, reservation: dict[str, Any], gpu_uuid: str, token: str) -> dict[str, Any]: ...
 
@@ -211,6 +211,15 @@ class Admitter:
         decision = choose(
             alloc, snapshot.gpus, snapshot.reservations, settings=self.settings.allocation, now=self.clock()
         )
+        if not isinstance(decision, Choice):  # refuse only on a consistent view
+            snapshot = await self.ledger.snapshot(fresh=True)
+            decision = choose(
+                alloc,
+                snapshot.gpus,
+                snapshot.reservations,
+                settings=self.settings.allocation,
+                now=self.clock(),
+            )
         if not isinstance(decision, Choice):
             message = refusal_message(
                 decision, max_sample_age_s=self.settings.max_sample_age_s, retry_hint=self.settings.retry_hint

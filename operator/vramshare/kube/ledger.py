@@ -70,19 +70,21 @@ class KubeLedger:
         self._cached: Snapshot | None = None
         self._cached_at = 0.0
 
-    async def snapshot(self) -> Snapshot:
-        if self._cached is not None and self.clock() - self._cached_at < self.max_age_s:
+    async def snapshot(self, *, fresh: bool = False) -> Snapshot:
+        """The cached view while it is young enough; with `fresh`, a consistent read (slower), as a
+        refusal deserves: it must not come from a view that missed released memory or new GPUs."""
+        if not fresh and self._cached is not None and self.clock() - self._cached_at < self.max_age_s:
             return self._cached
-        self._cached = await self._read()
+        self._cached = await self._read(consistent=fresh)
         self._cached_at = self.clock()
         return self._cached
 
-    async def _read(self) -> Snapshot:
+    async def _read(self, *, consistent: bool) -> Snapshot:
         # Both reads come from the API server's cache, without its wait for a fresh etcd revision
         # (tens of ms per LIST). The devices may be slightly stale: a stale token only turns into a
         # conflict at commit. The reservations are read at least as new as the devices' list, so every
         # reservation committed before any token we hold is in them.
-        devices = await self.kube.list(devices_path(), resource_version="0")
+        devices = await self.kube.list(devices_path(), resource_version=None if consistent else "0")
         # Only the live ledger: ended reservations are labelled inactive by the controller. A reservation
         # without the label (made by hand) is counted, to be safe.
         listed = await self.kube.list(

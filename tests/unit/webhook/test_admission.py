@@ -24,8 +24,10 @@ class MemoryLedger:
         self.objects: list[dict[str, Any]] = []
         self.conflicts = conflicts
         self.fail = fail
+        self.fresh_reads = 0
 
-    async def snapshot(self) -> Snapshot:
+    async def snapshot(self, *, fresh: bool = False) -> Snapshot:
+        self.fresh_reads += fresh
         if self.fail:
             raise self.fail
         return Snapshot(
@@ -102,6 +104,7 @@ async def test_refuses_with_the_configured_code_and_commits_nothing() -> None:
     )
     assert "retry after 30 s" in status["message"]
     assert ledger.objects == []
+    assert ledger.fresh_reads == 1  # a refusal is decided on a consistent view
 
 
 async def test_conflicts_are_retried_and_counted() -> None:
