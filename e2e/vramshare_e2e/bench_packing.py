@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from vramshare.domain import (
+    Accounting,
     AllocationRequest,
     AllocationSettings,
     Choice,
@@ -147,9 +148,9 @@ class Vramshare(Design):
         self.name = f"vramshare-{policy.value}"
         self.settings = AllocationSettings(
             policy=policy,
-            safety_margin_mib=model.safety_margin_mib,
-            settle_s=model.settle_s,
-            max_sample_age_s=1e9,
+            accounting=Accounting(
+                safety_margin_mib=model.safety_margin_mib, settle_s=model.settle_s, max_sample_age_s=1e9
+            ),
         )
 
     def place(self, job: Job, cards: list[Card], now: float) -> Card | None:

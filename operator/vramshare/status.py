@@ -7,13 +7,16 @@ pure (`render()`), fetching is a thin use of the kubernetes client with the curr
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import sys
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from vramshare.kube.resources import GROUP, VERSION, parse_time
+from vramshare.kube.client import Connection, KubeClient
+from vramshare.kube.objects import GpuDevice, GpuReservation
+from vramshare.kube.resources import devices_path, reservations_path
 
 BAR_WIDTH = 24
 
@@ -53,38 +56,35 @@ class Status:
 
 def from_objects(devices: list[dict[str, Any]], reservations: list[dict[str, Any]], *, now: float) -> Status:
     gpus = []
-    for d in devices:
-        spec, st = d.get("spec", {}), d.get("status", {})
-        sampled = parse_time(st.get("sampledAt"))
+    for device in (GpuDevice.from_wire(d) for d in devices):
+        st = device.status
         gpus.append(
             GpuRow(
-                node=spec.get("nodeName", ""),
-                index=int(spec.get("index", 0)),
-                uuid=spec.get("uuid", ""),
-                model=spec.get("model", ""),
-                state=st.get("state", "Unknown"),
-                total_mib=int(st.get("totalMiB", 0)),
-                used_mib=int(st.get("usedMiB", 0)),
-                reserved_mib=int(st.get("reservedMiB", 0)),
-                headroom_mib=int(st.get("headroomMiB", 0)),
-                sample_age_s=None if sampled is None else max(0.0, now - sampled),
+                node=device.spec.node_name,
+                index=device.spec.index,
+                uuid=device.spec.uuid,
+                model=device.spec.model,
+                state=st.state if st is not None and st.state else "Unknown",
+                total_mib=st.total_mib if st else 0,
+                used_mib=st.used_mib if st else 0,
+                reserved_mib=st.reserved_mib if st else 0,
+                headroom_mib=st.headroom_mib if st else 0,
+                sample_age_s=None if st is None else max(0.0, now - st.sampled_at),
             )
         )
     rows = []
-    for r in reservations:
-        meta, spec, st = r["metadata"], r["spec"], r.get("status", {})
-        created = parse_time(meta.get("creationTimestamp")) or now
+    for res in (GpuReservation.from_wire(r) for r in reservations):
         rows.append(
             ReservationRow(
-                namespace=meta["namespace"],
-                name=meta["name"],
-                pod=spec["podName"],
-                mib=int(spec["memoryMiB"]),
-                node=spec["nodeName"],
-                gpu_uuid=spec["gpuUUID"],
-                gpu_index=int(spec["gpuIndex"]),
-                phase=st.get("phase", "Reserved"),
-                age_s=max(0.0, now - created),
+                namespace=res.namespace,
+                name=res.name,
+                pod=res.spec.pod_name,
+                mib=res.spec.memory_mib,
+                node=res.spec.node_name,
+                gpu_uuid=res.spec.gpu_uuid,
+                gpu_index=res.spec.gpu_index,
+                phase=res.phase.value,
+                age_s=max(0.0, now - (res.meta.created_at or now)),
             )
         )
     gpus.sort(key=lambda g: (g.node, g.index, g.uuid))
@@ -188,13 +188,10 @@ def to_json(status: Status) -> str:
     )
 
 
-def fetch(kubeconfig: str | None) -> Status:
-    from kubernetes import client, config
-
-    # The kubernetes package is untyped; what comes back is plain JSON-like dicts.
-    api: Any = client.CustomObjectsApi(config.new_client_from_config(config_file=kubeconfig))  # type: ignore[no-untyped-call]
-    devices = api.list_cluster_custom_object(GROUP, VERSION, "gpudevices")["items"]
-    reservations = api.list_cluster_custom_object(GROUP, VERSION, "gpureservations")["items"]
+async def fetch(kubeconfig: str | None) -> Status:
+    async with KubeClient(Connection.load(kubeconfig=kubeconfig), user_agent="vramshare-status") as kube:
+        devices = (await kube.list(devices_path())).get("items", [])
+        reservations = (await kube.list(reservations_path())).get("items", [])
     return from_objects(devices, reservations, now=time.time())
 
 
@@ -207,7 +204,7 @@ def main(argv: list[str] | None = None) -> None:
     status.add_argument("--active", action="store_true", help="only Reserved and Bound reservations")
     args = parser.parse_args(argv)
     try:
-        current = fetch(args.kubeconfig)
+        current = asyncio.run(fetch(args.kubeconfig))
     except Exception as exc:  # a CLI: say what went wrong in one line
         print(f"vramshare status: cannot read the cluster: {exc}", file=sys.stderr)
         sys.exit(1)

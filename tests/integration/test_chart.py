@@ -4,7 +4,6 @@ settings named as the components name them, hardened pods, CRDs identical to crd
 from __future__ import annotations
 
 import subprocess
-from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +11,8 @@ import pytest
 import yaml
 
 from vramshare.controller.settings import ControllerSettings
+from vramshare.domain import Accounting
+from vramshare.settings import variables
 from vramshare_e2e.cluster import tools_bin_dir
 from vramshare_webhook.settings import WebhookSettings
 
@@ -87,8 +88,8 @@ def test_settings_are_named_as_the_components_name_them() -> None:
     docs = render(*VARIANTS["everything"])
     webhook = env(find(docs, "Deployment", "-webhook"))
     controller = env(find(docs, "Deployment", "-controller"))
-    webhook_fields = {f"VRAMSHARE_{f.name.upper()}" for f in fields(WebhookSettings)}
-    controller_fields = {f"VRAMSHARE_{f.name.upper()}" for f in fields(ControllerSettings)}
+    webhook_fields = variables(WebhookSettings())
+    controller_fields = variables(ControllerSettings())
     assert set(webhook) <= webhook_fields, set(webhook) - webhook_fields
     assert set(controller) <= controller_fields, set(controller) - controller_fields
     # Every setting is reachable from values, but the few the chart decides itself.
@@ -103,7 +104,7 @@ def test_settings_are_named_as_the_components_name_them() -> None:
     assert webhook["VRAMSHARE_POLICY"] == "binpack"
     assert webhook["VRAMSHARE_DENIAL_CODE"] == "429"
     # Shared settings reach both components with one value.
-    for key in ("VRAMSHARE_SAFETY_MARGIN_MIB", "VRAMSHARE_SETTLE_S", "VRAMSHARE_MAX_SAMPLE_AGE_S"):
+    for key in variables(Accounting()):
         assert webhook[key] == controller[key]
 
 

@@ -9,6 +9,7 @@ from vramshare.kube.resources import format_time
 from vramshare.status import GpuRow, bar, from_objects, render, to_json
 
 DEVICE = {
+    "metadata": {"name": "gpu-1234567890abcdef"},
     "spec": {"uuid": "GPU-1234567890abcdef", "nodeName": "gpu-node-a", "index": 1, "model": "A100"},
     "status": {
         "totalMiB": 40960,

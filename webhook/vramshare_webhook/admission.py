@@ -1,6 +1,7 @@
-"""The admission decision: request -> decode -> snapshot -> choose (pure) -> commit -> patch or refuse.
+"""The admission decision: read the pod once -> choose (pure) -> commit -> a decision value.
 
-`Admitter.review()` never raises: whatever happens, the API server gets a well-formed answer carrying
+`Admitter.decide()` returns a `Decision`; `Admitter.review()` turns it into the answer, metrics and
+the log line, and never raises: whatever happens, the API server gets a well-formed answer carrying
 the request UID.
 """
 
@@ -10,7 +11,6 @@ import asyncio
 import secrets
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import structlog
@@ -24,20 +24,30 @@ from vramshare.domain import (
     refusal_message,
 )
 from vramshare.kube.ledger import CommitConflictError, Snapshot
-from vramshare.kube.resources import reservation_object
+from vramshare.kube.objects import GpuReservation
 from vramshare_webhook import review as rv
+from vramshare_webhook.decision import (
+    Admit,
+    Contention,
+    Decision,
+    Errored,
+    Hide,
+    Invalid,
+    Outcome,
+    Reason,
+    Refuse,
+    Skip,
+    answer,
+)
 from vramshare_webhook.metrics import WebhookMetrics
 from vramshare_webhook.pod import (
     Placement,
+    PodFacts,
     display_name,
     hide_gpus_patch,
-    pinned_nodes,
-    placement_of,
     placement_patch,
-    pod_annotations,
-    requested_device_resources,
+    read_pod,
     shape_problem,
-    spoofed,
 )
 from vramshare_webhook.settings import WebhookSettings
 
@@ -46,16 +56,14 @@ log = structlog.get_logger("vramshare.webhook")
 
 class Ledger(Protocol):
     async def snapshot(self, *, fresh: bool = False) -> Snapshot: ...
-    async def get_reservation(self, namespace: str, name: str) -> dict[str, Any] | None: ...
-    async def commit(self, *, reservation: dict[str, Any], gpu_uuid: str, token: str) -> dict[str, Any]: ...
+    async def get_reservation(self, namespace: str, name: str) -> GpuReservation | None: ...
+    async def commit(self, *, reservation: GpuReservation, token: str) -> GpuReservation: ...
 
 
-@dataclass(frozen=True, kw_only=True)
-class Outcome:
-    review: rv.Review
-    outcome: str
-    reason: str
-    fields: dict[str, Any]
+def _logged_name(pod: dict[str, Any]) -> str:
+    """The pod's name for a log line, even from a malformed pod."""
+    meta = pod.get("metadata")
+    return display_name(pod) if isinstance(meta, dict) else "?"
 
 
 def reservation_name(pod: dict[str, Any]) -> str:
@@ -82,131 +90,111 @@ class Admitter:
     async def review(self, request: rv.Request) -> rv.Review:
         started = time.perf_counter()
         try:
-            result = await self._decide(request)
+            decision = await self.decide(request)
         except Exception as exc:  # an answer, never a crash: the failurePolicy decides what follows
             log.exception("admission failed", uid=request.uid, namespace=request.namespace)
-            result = Outcome(
-                review=rv.errored(request.uid, f"vramshare could not decide: {exc}"),
-                outcome="error",
-                reason=type(exc).__name__,
-                fields={},
-            )
+            decision = Errored(message=f"vramshare could not decide: {exc}", error_type=type(exc).__name__)
+        result = answer(decision, uid=request.uid, settings=self.settings)
         elapsed = time.perf_counter() - started
-        self.metrics.decisions.labels(result.outcome, result.reason).inc()
+        self.metrics.decisions.labels(result.outcome.value, result.reason).inc()
         self.metrics.decision_seconds.observe(elapsed)
-        if result.outcome != "skipped":
+        if result.outcome is not Outcome.SKIPPED:
             log.info(
                 "decision",
                 uid=request.uid,
-                pod=f"{request.namespace}/{display_name(request.object)}",
-                outcome=result.outcome,
+                pod=f"{request.namespace}/{_logged_name(request.object)}",
+                outcome=result.outcome.value,
                 reason=result.reason,
                 duration_ms=round(elapsed * 1000, 2),
                 dry_run=request.dry_run,
-                **result.fields,
+                **result.log_fields,
             )
         return result.review
 
-    async def _decide(self, request: rv.Request) -> Outcome:
+    async def decide(self, request: rv.Request) -> Decision:
         pod = request.object
         if request.kind != "Pod" or request.operation != "CREATE":
-            return Outcome(
-                review=rv.allowed(request.uid), outcome="skipped", reason="not-a-pod-create", fields={}
-            )
+            return Skip(reason=Reason.NOT_A_POD_CREATE)
         problem = shape_problem(pod)
         if problem is not None:
-            return self._invalid(request, f"not a valid pod: {problem}", reason="malformed-pod")
-        value = pod_annotations(pod).get(self.settings.annotation)
-        if value is None:
-            if self.settings.hide_gpus and not requested_device_resources(pod):
-                return Outcome(
-                    review=rv.patched(request.uid, hide_gpus_patch(pod)),
-                    outcome="hidden",
-                    reason="no-gpu-request",
-                    fields={},
-                )
-            return Outcome(
-                review=rv.allowed(request.uid), outcome="skipped", reason="no-gpu-request", fields={}
+            return Invalid(reason=Reason.MALFORMED_POD, message=f"not a valid pod: {problem}")
+        facts = read_pod(pod, annotation=self.settings.annotation)
+        if facts.memory_request is None:
+            if self.settings.hide_gpus and not facts.device_resources:
+                return Hide(patch=hide_gpus_patch(pod))
+            return Skip(reason=Reason.NO_GPU_REQUEST)
+        if facts.device_resources:
+            return Invalid(
+                reason=Reason.DEVICE_PLUGIN_RESOURCE,
+                message=(
+                    f"pod requests {', '.join(facts.device_resources)} and also carries annotation "
+                    f'"{self.settings.annotation}": '
+                    "use one or the other (vramshare shares GPUs by memory without the device plugin)"
+                ),
             )
-        devices = requested_device_resources(pod)
-        if devices:
-            message = (
-                f"pod requests {', '.join(devices)} and also carries annotation "
-                f'"{self.settings.annotation}": '
-                "use one or the other (vramshare shares GPUs by memory without the device plugin)"
-            )
-            return self._invalid(request, message, reason="device-plugin-resource")
         try:
             mib = parse_memory_request(
-                value, annotation=self.settings.annotation, max_mib=self.settings.max_request_mib
+                facts.memory_request,
+                annotation=self.settings.annotation,
+                max_mib=self.settings.max_request_mib,
             )
         except InvalidRequestError as exc:
-            return self._invalid(request, str(exc), reason="invalid-annotation")
-        fields: dict[str, Any] = {"mib": mib}
-        tampered = spoofed(pod)
-        if tampered:
-            fields["overwritten"] = tampered
-            reused = await self._reinvocation(request)
-            if reused is not None:
-                return Outcome(
-                    review=rv.patched(request.uid, placement_patch(pod, reused)),
-                    outcome="admitted",
-                    reason="reinvocation",
-                    fields={**fields, "gpu": reused.gpu_uuid, "reservation": reused.reservation},
-                )
-        return await self._allocate(request, mib=mib, fields=fields)
+            return Invalid(reason=Reason.INVALID_ANNOTATION, message=str(exc))
+        details: dict[str, Any] = {"mib": mib}
+        if facts.overwritten:
+            details["overwritten"] = list(facts.overwritten)
+        earlier = await self._earlier_pass(request, facts)
+        if earlier is not None:
+            return Admit(
+                placement=earlier,
+                patch=placement_patch(pod, earlier),
+                reason=Reason.REINVOCATION,
+                details=details,
+            )
+        return await self._allocate(request, facts, mib=mib, details=details)
 
-    def _invalid(self, request: rv.Request, message: str, *, reason: str) -> Outcome:
-        return Outcome(
-            review=rv.denied(request.uid, message, code=400, reason="BadRequest"),
-            outcome="invalid",
-            reason=reason,
-            fields={"message": message},
-        )
-
-    async def _reinvocation(self, request: rv.Request) -> Placement | None:
+    async def _earlier_pass(self, request: rv.Request, facts: PodFacts) -> Placement | None:
         """The placement of an earlier pass of this same request, if the pod carries a genuine one."""
-        placement = placement_of(request.object)
+        placement = facts.claimed_placement
         if placement is None:
             return None
         existing = await self.ledger.get_reservation(request.namespace, placement.reservation)
-        if existing is None or existing.get("spec", {}).get("admissionUID") != request.uid:
+        if existing is None or existing.spec.admission_uid != request.uid:
             return None  # set by the user, or another request's: not honoured
         return placement
 
-    async def _allocate(self, request: rv.Request, *, mib: int, fields: dict[str, Any]) -> Outcome:
-        pod = request.object
+    async def _allocate(
+        self, request: rv.Request, facts: PodFacts, *, mib: int, details: dict[str, Any]
+    ) -> Decision:
         alloc = AllocationRequest(
-            mib=mib, namespace=request.namespace, pod=display_name(pod), nodes=pinned_nodes(pod)
+            mib=mib, namespace=request.namespace, pod=facts.display_name, nodes=facts.pinned_nodes
         )
         deadline = time.monotonic() + self.settings.decision_deadline_s
         attempt = 0
         while True:
             attempt += 1
+            tried = {**details, "attempts": attempt}
             # One decision at a time per process: replicas still race (the commit's precondition settles
             # that), but requests of one process no longer conflict with each other.
             try:
                 await asyncio.wait_for(self._commit_lock.acquire(), max(0.0, deadline - time.monotonic()))
             except TimeoutError:
-                return self._contention(request, mib=mib, fields={**fields, "attempts": attempt})
+                return self._contention(request, facts, mib=mib, details=tried)
             try:
-                outcome = await self._attempt(
-                    request, alloc=alloc, mib=mib, fields={**fields, "attempts": attempt}
-                )
+                decision = await self._attempt(request, facts, alloc=alloc, details=tried)
             finally:
                 self._commit_lock.release()
-            if outcome is not None:
-                return outcome
+            if decision is not None:
+                return decision
             self.metrics.conflicts.inc()
             if time.monotonic() >= deadline:
-                return self._contention(request, mib=mib, fields={**fields, "attempts": attempt})
+                return self._contention(request, facts, mib=mib, details=tried)
             await asyncio.sleep(min(0.2, 0.005 * 2**attempt) * (0.5 + secrets.randbelow(100) / 100))
 
     async def _attempt(
-        self, request: rv.Request, *, alloc: AllocationRequest, mib: int, fields: dict[str, Any]
-    ) -> Outcome | None:
-        """Decide on a fresh snapshot and commit; None when the chosen GPU's ledger moved meanwhile."""
-        pod = request.object
+        self, request: rv.Request, facts: PodFacts, *, alloc: AllocationRequest, details: dict[str, Any]
+    ) -> Decision | None:
+        """Decide on a snapshot and commit; None when the chosen GPU's ledger moved meanwhile."""
         snapshot = await self.ledger.snapshot()
         decision = choose(
             alloc, snapshot.gpus, snapshot.reservations, settings=self.settings.allocation, now=self.clock()
@@ -222,57 +210,42 @@ class Admitter:
             )
         if not isinstance(decision, Choice):
             message = refusal_message(
-                decision, max_sample_age_s=self.settings.max_sample_age_s, retry_hint=self.settings.retry_hint
+                decision,
+                max_sample_age_s=self.settings.accounting.max_sample_age_s,
+                retry_hint=self.settings.retry_hint,
             )
-            return Outcome(
-                review=self._deny(request, message),
-                outcome="refused",
-                reason="no-gpu-fits",
-                fields={**fields, "best_headroom_mib": decision.best_headroom_mib},
+            return Refuse(
+                message=message, details={**details, "best_headroom_mib": decision.best_headroom_mib}
             )
         gpu = decision.gpu
-        name = reservation_name(pod)
+        name = reservation_name(request.object)
         placement = Placement(reservation=name, gpu_uuid=gpu.uuid, gpu_index=gpu.index, node=gpu.node)
-        result = {
-            **fields,
-            "gpu": gpu.uuid,
-            "node": gpu.node,
-            "reservation": name,
-            "headroom_mib": decision.headroom.headroom_mib,
-        }
-        patch = rv.patched(request.uid, placement_patch(pod, placement))
+        admitted = {**details, "headroom_mib": decision.headroom.headroom_mib}
+        patch = placement_patch(request.object, placement)
         if request.dry_run:
-            return Outcome(review=patch, outcome="admitted", reason="dry-run", fields=result)
-        obj = reservation_object(
+            return Admit(placement=placement, patch=patch, reason=Reason.DRY_RUN, details=admitted)
+        booking = GpuReservation.new(
             name=name,
             namespace=request.namespace,
-            pod=display_name(pod),
-            mib=mib,
+            pod=facts.display_name,
+            mib=alloc.mib,
             gpu=gpu,
             admission_uid=request.uid,
         )
         try:
-            await self.ledger.commit(reservation=obj, gpu_uuid=gpu.uuid, token=snapshot.tokens[gpu.uuid])
+            await self.ledger.commit(reservation=booking, token=snapshot.tokens[gpu.uuid])
         except CommitConflictError:
             return None
-        return Outcome(review=patch, outcome="admitted", reason="fits", fields=result)
+        return Admit(placement=placement, patch=patch, reason=Reason.FITS, details=admitted)
 
-    def _contention(self, request: rv.Request, *, mib: int, fields: dict[str, Any]) -> Outcome:
-        message = (
-            f"could not reserve {mib} MiB for pod {request.namespace}/{display_name(request.object)} "
-            f"within {self.settings.decision_deadline_s:g} s: too many concurrent admissions "
-            f"on the same GPUs. {self.settings.retry_hint}"
-        )
-        return Outcome(
-            review=self._deny(request, message), outcome="refused", reason="contention", fields=fields
-        )
-
-    def _deny(self, request: rv.Request, message: str) -> rv.Review:
-        code = self.settings.denial_code
-        return rv.denied(
-            request.uid,
-            message,
-            code=code,
-            reason="TooManyRequests" if code == 429 else "Forbidden",
-            retry_after_s=self.settings.retry_after_s if code == 429 else None,
+    def _contention(
+        self, request: rv.Request, facts: PodFacts, *, mib: int, details: dict[str, Any]
+    ) -> Decision:
+        return Contention(
+            message=(
+                f"could not reserve {mib} MiB for pod {request.namespace}/{facts.display_name} "
+                f"within {self.settings.decision_deadline_s:g} s: too many concurrent admissions "
+                f"on the same GPUs. {self.settings.retry_hint}"
+            ),
+            details=details,
         )

@@ -269,6 +269,33 @@ def hide_gpus_patch(pod: Obj) -> list[Operation]:
     ]
 
 
+@dataclass(frozen=True, kw_only=True)
+class PodFacts:
+    """Everything a decision reads from a pod, read once (from a pod `shape_problem` accepted)."""
+
+    display_name: str
+    memory_request: str | None
+    """The raw value of the memory annotation; None when the pod does not carry it."""
+    device_resources: tuple[str, ...]
+    """`nvidia.com/*` resources the pod requests (device-plugin pods)."""
+    pinned_nodes: frozenset[str] | None
+    claimed_placement: Placement | None
+    """The placement the pod's vramshare.io/* annotations claim: an earlier pass, or copied by a user."""
+    overwritten: tuple[str, ...]
+    """What the pod sets that only vramshare may set; a placement patch replaces it."""
+
+
+def read_pod(pod: Obj, *, annotation: str) -> PodFacts:
+    return PodFacts(
+        display_name=display_name(pod),
+        memory_request=pod_annotations(pod).get(annotation),
+        device_resources=tuple(requested_device_resources(pod)),
+        pinned_nodes=pinned_nodes(pod),
+        claimed_placement=placement_of(pod),
+        overwritten=tuple(spoofed(pod)),
+    )
+
+
 def placement_of(pod: Obj) -> Placement | None:
     """The placement recorded in a pod's annotations (on reinvocation), if complete."""
     a = pod_annotations(pod)

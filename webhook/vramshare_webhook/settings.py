@@ -8,11 +8,11 @@ process with a message naming the variable, the value and what is accepted.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 
-from vramshare.domain import DEFAULT_ANNOTATION, DEFAULT_MAX_MIB, AllocationSettings, Policy, StaleGpuMode
-from vramshare.settings import from_env, invalid
+from vramshare.domain import DEFAULT_ANNOTATION, DEFAULT_MAX_MIB, Accounting, AllocationSettings, Policy
+from vramshare.settings import check_accounting, from_env, invalid
 
 
 class TlsMode(StrEnum):
@@ -31,10 +31,8 @@ class WebhookSettings:
     """The pod annotation carrying the memory request in MiB."""
     max_request_mib: int = DEFAULT_MAX_MIB
     policy: Policy = Policy.SPREAD
-    safety_margin_mib: int = 512
-    settle_s: float = 60.0
-    max_sample_age_s: float = 120.0
-    stale_mode: StaleGpuMode = StaleGpuMode.REFUSE
+    accounting: Accounting = field(default_factory=Accounting)
+    """Shared with the controller: VRAMSHARE_SAFETY_MARGIN_MIB, _SETTLE_S, _MAX_SAMPLE_AGE_S, _STALE_MODE."""
     denial_code: int = 403
     """403 (default: the task's own retries apply) or 429 (retryAfterSeconds; KPO retries in the try)."""
     retry_after_s: int = 60
@@ -66,13 +64,7 @@ class WebhookSettings:
 
     @property
     def allocation(self) -> AllocationSettings:
-        return AllocationSettings(
-            policy=self.policy,
-            safety_margin_mib=self.safety_margin_mib,
-            settle_s=self.settle_s,
-            max_sample_age_s=self.max_sample_age_s,
-            stale_mode=self.stale_mode,
-        )
+        return AllocationSettings(policy=self.policy, accounting=self.accounting)
 
     @property
     def retry_hint(self) -> str:
@@ -83,8 +75,7 @@ class WebhookSettings:
     def validate(self) -> WebhookSettings:
         if self.denial_code not in (403, 429):
             raise invalid("denial_code", self.denial_code, "403 or 429")
-        if self.safety_margin_mib < 0:
-            raise invalid("safety_margin_mib", self.safety_margin_mib, "0 or more MiB")
+        check_accounting(self.accounting)
         if not 0 < self.decision_deadline_s <= 29:
             raise invalid("decision_deadline_s", self.decision_deadline_s, "seconds between 0 and 29")
         if self.tls_mode is TlsMode.FILES and not (self.tls_cert_file and self.tls_key_file):

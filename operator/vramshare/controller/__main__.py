@@ -15,9 +15,10 @@ import structlog
 from prometheus_client import start_http_server
 
 from vramshare import logs
-from vramshare.controller.inventory import Controller
+from vramshare.controller.devices import InventoryLoop
 from vramshare.controller.leader import LeadershipLostError, LeaseElector
 from vramshare.controller.metrics import ControllerMetrics
+from vramshare.controller.reservations import ReservationReconciler
 from vramshare.controller.settings import ControllerSettings
 from vramshare.kube.client import Connection, KubeClient
 from vramshare.kube.resources import LABEL_RESERVATION
@@ -27,8 +28,8 @@ from vramshare.settings import SettingsError
 log = structlog.get_logger("vramshare.controller")
 
 
-def kopf_registry(controller: Controller) -> kopf.OperatorRegistry:
-    """kopf watches the pods vramshare admitted and hands every change to the controller at once."""
+def kopf_registry(inventory: InventoryLoop, reconciler: ReservationReconciler) -> kopf.OperatorRegistry:
+    """kopf watches the pods vramshare admitted and hands every change to the reconciler at once."""
     registry = kopf.OperatorRegistry()
 
     @kopf.on.startup(registry=registry)
@@ -42,7 +43,9 @@ def kopf_registry(controller: Controller) -> kopf.OperatorRegistry:
 
     @kopf.on.event("pods", labels={LABEL_RESERVATION: kopf.PRESENT}, registry=registry)
     async def pod_changed(**event: Any) -> None:
-        await controller.reconcile_pod(dict(event["body"]), deleted=event["type"] == "DELETED")
+        await reconciler.pod_changed(
+            dict(event["body"]), deleted=event["type"] == "DELETED", presence=inventory.presence
+        )
 
     return registry
 
@@ -68,23 +71,31 @@ async def run(settings: ControllerSettings) -> None:
             await elector.acquire()
             metrics.leader.set(1)
             try:
-                await lead(Controller(kube=kube, source=source, settings=settings, metrics=metrics), elector)
+                await lead(
+                    InventoryLoop(kube=kube, source=source, settings=settings, metrics=metrics),
+                    ReservationReconciler(kube=kube, settings=settings),
+                    elector,
+                )
             except LeadershipLostError as exc:
                 log.warning("stepped down: leadership lost", error=str(exc))
             finally:
                 metrics.leader.set(0)
 
 
-async def lead(controller: Controller, elector: LeaseElector) -> None:
-    """Run the leader's loops until one of them ends; re-raise why (LeadershipLostError above all)."""
+async def lead(inventory: InventoryLoop, reconciler: ReservationReconciler, elector: LeaseElector) -> None:
+    """Run the leader's two loops (and kopf's pod watch) until one ends; re-raise why
+    (LeadershipLostError above all)."""
     stop = asyncio.Event()
     tasks = [
         asyncio.create_task(elector.hold(), name="lease"),
-        asyncio.create_task(controller.run_inventory(), name="inventory"),
-        asyncio.create_task(controller.run_sweeps(), name="sweeps"),
+        asyncio.create_task(inventory.run(), name="inventory"),
+        asyncio.create_task(reconciler.run(presence=lambda: inventory.presence), name="sweeps"),
         asyncio.create_task(
             kopf.operator(
-                registry=kopf_registry(controller), standalone=True, clusterwide=True, stop_flag=stop
+                registry=kopf_registry(inventory, reconciler),
+                standalone=True,
+                clusterwide=True,
+                stop_flag=stop,
             ),
             name="kopf",
         ),

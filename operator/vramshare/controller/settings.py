@@ -5,11 +5,11 @@ from __future__ import annotations
 import os
 import socket
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
-from vramshare.domain import StaleGpuMode
+from vramshare.domain import Accounting
 from vramshare.domain.inventory import InventorySettings
-from vramshare.settings import from_env, invalid
+from vramshare.settings import check_accounting, from_env, invalid
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -20,11 +20,9 @@ class ControllerSettings:
     metrics_selector: str = ""
     """Extra PromQL label matchers for the DCGM series, e.g. job="dcgm-exporter"."""
     poll_interval_s: float = 5.0
-    max_sample_age_s: float = 120.0
+    accounting: Accounting = field(default_factory=Accounting)
+    """Shared with the webhook: VRAMSHARE_SAFETY_MARGIN_MIB, _SETTLE_S, _MAX_SAMPLE_AGE_S, _STALE_MODE."""
     missing_grace_s: float = 60.0
-    settle_s: float = 60.0
-    safety_margin_mib: int = 512
-    stale_mode: StaleGpuMode = StaleGpuMode.REFUSE
     reservation_ttl_s: float = 300.0
     """A Reserved reservation whose pod has not appeared by then expires."""
     retention_s: float = 3600.0
@@ -42,18 +40,12 @@ class ControllerSettings:
 
     @property
     def inventory(self) -> InventorySettings:
-        return InventorySettings(
-            max_sample_age_s=self.max_sample_age_s,
-            missing_grace_s=self.missing_grace_s,
-            settle_s=self.settle_s,
-            safety_margin_mib=self.safety_margin_mib,
-            ledger_only_when_stale=self.stale_mode is StaleGpuMode.LEDGER_ONLY,
-        )
+        return InventorySettings(accounting=self.accounting, missing_grace_s=self.missing_grace_s)
 
     def validate(self) -> ControllerSettings:
+        check_accounting(self.accounting)
         for name in (
             "poll_interval_s",
-            "max_sample_age_s",
             "reservation_ttl_s",
             "lease_duration_s",
             "lifecycle_interval_s",

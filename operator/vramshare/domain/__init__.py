@@ -4,6 +4,7 @@ Nothing in this package performs I/O, reads a clock or imports kopf, aiohttp, ku
 an import-linter contract in pyproject.toml keeps it that way.
 """
 
+from vramshare.domain.accounting import Accounting, StaleGpuMode
 from vramshare.domain.allocation import (
     AllocationSettings,
     Choice,
@@ -11,7 +12,6 @@ from vramshare.domain.allocation import (
     GpuVerdict,
     Policy,
     Refusal,
-    StaleGpuMode,
     choose,
 )
 from vramshare.domain.headroom import Headroom, headroom, is_unseen
@@ -28,6 +28,7 @@ from vramshare.domain.request import (
 __all__ = [
     "DEFAULT_ANNOTATION",
     "DEFAULT_MAX_MIB",
+    "Accounting",
     "AllocationRequest",
     "AllocationSettings",
     "Choice",

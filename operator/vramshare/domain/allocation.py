@@ -7,9 +7,10 @@ by the caller; the webhook commits the result atomically afterwards.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 
+from vramshare.domain.accounting import Accounting, StaleGpuMode
 from vramshare.domain.headroom import Headroom, headroom
 from vramshare.domain.models import AllocationRequest, Gpu, Reservation
 
@@ -21,15 +22,6 @@ class Policy(StrEnum):
     """The most headroom (least loaded): pods interfere less; Kaapana's choice."""
     BINPACK = "binpack"
     """The least headroom that still fits (best fit): keeps large holes free for large pods."""
-
-
-class StaleGpuMode(StrEnum):
-    """What to do with a GPU whose latest sample is older than the maximum age."""
-
-    REFUSE = "refuse"
-    """Exclude it until fresh metrics arrive."""
-    LEDGER_ONLY = "ledger-only"
-    """Judge it by reservations alone against its last known total."""
 
 
 class Exclusion(StrEnum):
@@ -44,16 +36,10 @@ class Exclusion(StrEnum):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class AllocationSettings:
-    """How `choose()` judges GPUs."""
+    """How `choose()` judges GPUs: the webhook's policy over the accounting both components share."""
 
     policy: Policy = Policy.SPREAD
-    safety_margin_mib: int = 512
-    """Kept free on every GPU for CUDA contexts and usage the ledger cannot see."""
-    settle_s: float = 60.0
-    """How long a pod must have been running before its memory use is trusted to show in a sample."""
-    max_sample_age_s: float = 120.0
-    """A GPU whose latest sample is older than this is stale."""
-    stale_mode: StaleGpuMode = StaleGpuMode.REFUSE
+    accounting: Accounting = field(default_factory=Accounting)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -116,14 +102,15 @@ def _judge(
         return verdict(Exclusion.MISSING)
     if not gpu.healthy:
         return verdict(Exclusion.UNHEALTHY)
-    stale = age > settings.max_sample_age_s
-    if stale and settings.stale_mode is StaleGpuMode.REFUSE:
+    accounting = settings.accounting
+    stale = age > accounting.max_sample_age_s
+    if stale and accounting.stale_mode is StaleGpuMode.REFUSE:
         return verdict(Exclusion.STALE)
     room = headroom(
         gpu,
         reservations,
-        settle_s=settings.settle_s,
-        safety_margin_mib=settings.safety_margin_mib,
+        settle_s=accounting.settle_s,
+        safety_margin_mib=accounting.safety_margin_mib,
         ledger_only=stale,
     )
     return verdict(None if room.headroom_mib >= request.mib else Exclusion.TOO_SMALL, room)

@@ -9,9 +9,10 @@ a whole node: its GPUs go Stale, never Missing, so an outage cannot mark reserva
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
+from vramshare.domain.accounting import Accounting, StaleGpuMode
 from vramshare.domain.headroom import Headroom, headroom
 from vramshare.domain.models import Gpu, Reservation
 
@@ -60,11 +61,9 @@ class Known:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class InventorySettings:
-    max_sample_age_s: float = 120.0
+    accounting: Accounting = field(default_factory=Accounting)
     missing_grace_s: float = 60.0
-    settle_s: float = 60.0
-    safety_margin_mib: int = 512
-    ledger_only_when_stale: bool = False
+    """A UUID unreported this long while its node reports other GPUs is Missing."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -92,8 +91,10 @@ def observe(
     `nodes` are the Kubernetes nodes that exist (None when unknown: then no GPU is judged gone for
     lack of a node).
     """
+    accounting = settings.accounting
+    max_age = accounting.max_sample_age_s
     sampled = {s.uuid: s for s in samples}
-    reporting_nodes = {s.node for s in samples if now - s.sampled_at <= settings.max_sample_age_s}
+    reporting_nodes = {s.node for s in samples if now - s.sampled_at <= max_age}
     previous = {k.gpu.uuid: k for k in known}
     active = [r for r in reservations if r.is_active]
     out = []
@@ -115,24 +116,24 @@ def observe(
                 f"not reported for {now - last_seen:.0f} s while node {gpu.node} reports other GPUs "
                 "(removed or replaced)"
             )
-        elif age > settings.max_sample_age_s:
+        elif age > max_age:
             state = DeviceState.STALE
-            message = f"latest sample is {age:.0f} s old (max {settings.max_sample_age_s:g} s)"
+            message = f"latest sample is {age:.0f} s old (max {max_age:g} s)"
         else:
             state, message = DeviceState.READY, "fresh DCGM sample"
         gpu = replace(gpu, missing=state is DeviceState.MISSING)
         room = headroom(
             gpu,
             active,
-            settle_s=settings.settle_s,
-            safety_margin_mib=settings.safety_margin_mib,
-            ledger_only=state is DeviceState.STALE and settings.ledger_only_when_stale,
+            settle_s=accounting.settle_s,
+            safety_margin_mib=accounting.safety_margin_mib,
+            ledger_only=state is DeviceState.STALE and accounting.stale_mode is StaleGpuMode.LEDGER_ONLY,
         )
         if state is DeviceState.MISSING:
             room = replace(room, headroom_mib=0)
         overused = 0
         if state is DeviceState.READY:
-            overused = max(0, gpu.used_mib - room.reserved_mib - settings.safety_margin_mib)
+            overused = max(0, gpu.used_mib - room.reserved_mib - accounting.safety_margin_mib)
         out.append(
             DeviceStatus(
                 gpu=gpu,
@@ -144,3 +145,24 @@ def observe(
             )
         )
     return out
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GpuPresence:
+    """Which GPUs the last inventory found gone, as the reservation lifecycle needs it."""
+
+    missing: frozenset[str] = frozenset()
+    known: frozenset[str] | None = None
+    """Every GPU the inventory knows; None until it has run once."""
+
+    def is_missing(self, uuid: str) -> bool:
+        """Missing, or unknown to an inventory that has run (its GpuDevice was deleted by hand)."""
+        return uuid in self.missing or (self.known is not None and uuid not in self.known)
+
+    @classmethod
+    def of(cls, statuses: Iterable[DeviceStatus]) -> GpuPresence:
+        listed = list(statuses)
+        return cls(
+            missing=frozenset(s.gpu.uuid for s in listed if s.state is DeviceState.MISSING),
+            known=frozenset(s.gpu.uuid for s in listed),
+        )

@@ -31,15 +31,14 @@ from dataclasses import dataclass
 import structlog
 
 from vramshare.domain import Gpu, Reservation
-from vramshare.kube.client import ApiError, KubeClient, Obj
+from vramshare.kube.client import ApiError, KubeClient
+from vramshare.kube.objects import GpuDevice, GpuReservation
 from vramshare.kube.resources import (
     ANNOTATION_LEDGER,
     LABEL_ACTIVE,
     LABEL_COMMITTED,
     device_name,
     devices_path,
-    gpu_from_device,
-    reservation_from_object,
     reservations_path,
 )
 
@@ -95,34 +94,32 @@ class KubeLedger:
         )
         gpus, tokens = [], {}
         for obj in devices.get("items", []):
-            gpu = gpu_from_device(obj)
+            device = GpuDevice.from_wire(obj)
+            gpu = device.to_domain()
             if gpu is not None:
                 gpus.append(gpu)
-                tokens[gpu.uuid] = obj["metadata"]["resourceVersion"]
-        reservations = tuple(reservation_from_object(o) for o in listed.get("items", []))
+                tokens[gpu.uuid] = device.ledger_token
+        reservations = tuple(GpuReservation.from_wire(o).to_domain() for o in listed.get("items", []))
         return Snapshot(gpus=tuple(gpus), reservations=reservations, tokens=tokens)
 
-    async def get_reservation(self, namespace: str, name: str) -> Obj | None:
+    async def get_reservation(self, namespace: str, name: str) -> GpuReservation | None:
         try:
-            return await self.kube.get(reservations_path(namespace, name))
+            return GpuReservation.from_wire(await self.kube.get(reservations_path(namespace, name)))
         except ApiError as exc:
             if exc.not_found:
                 return None
             raise
 
-    async def commit(self, *, reservation: Obj, gpu_uuid: str, token: str) -> Obj:
-        """Create `reservation` and bump the GPU's token; `CommitConflictError` when it moved."""
-        meta = reservation["metadata"]
-        created = await self.kube.create(reservations_path(meta["namespace"]), reservation)
+    async def commit(self, *, reservation: GpuReservation, token: str) -> GpuReservation:
+        """Create `reservation` and bump its GPU's token; `CommitConflictError` when it moved."""
+        gpu_uuid = reservation.spec.gpu_uuid
+        created = GpuReservation.from_wire(
+            await self.kube.create(reservations_path(reservation.namespace), reservation.to_wire())
+        )
         try:
             bumped = await self.kube.merge_patch(
                 devices_path(device_name(gpu_uuid)),
-                {
-                    "metadata": {
-                        "resourceVersion": token,
-                        "annotations": {ANNOTATION_LEDGER: f"{meta['namespace']}/{meta['name']}"},
-                    }
-                },
+                {"metadata": {"resourceVersion": token, "annotations": {ANNOTATION_LEDGER: created.key}}},
             )
         except ApiError as exc:
             self._cached = None
@@ -136,24 +133,23 @@ class KubeLedger:
             raise
         try:
             await self.kube.merge_patch(
-                reservations_path(meta["namespace"], meta["name"]),
+                reservations_path(created.namespace, created.name),
                 {"metadata": {"labels": {LABEL_COMMITTED: "true"}}},
             )
         except ApiError as exc:  # the booking stands either way; only its label lags
-            log.warning("reservation committed but not labelled", reservation=meta["name"], error=str(exc))
+            log.warning("reservation committed but not labelled", reservation=created.key, error=str(exc))
         if self._cached is not None:  # our own commit, applied to the snapshot we keep
             cached = self._cached
             self._cached = Snapshot(
                 gpus=cached.gpus,
-                reservations=(*cached.reservations, reservation_from_object(created)),
+                reservations=(*cached.reservations, created.to_domain()),
                 tokens={**cached.tokens, gpu_uuid: bumped["metadata"]["resourceVersion"]},
             )
         return created
 
-    async def _withdraw(self, created: Obj) -> None:
-        meta = created["metadata"]
+    async def _withdraw(self, created: GpuReservation) -> None:
         try:
-            await self.kube.delete(reservations_path(meta["namespace"], meta["name"]))
+            await self.kube.delete(reservations_path(created.namespace, created.name))
         except ApiError as exc:
             if not exc.not_found:
                 raise

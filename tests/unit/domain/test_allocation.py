@@ -6,6 +6,7 @@ import pytest
 
 from tests.unit.domain.builders import NOW, gpu, request, reservation
 from vramshare.domain import (
+    Accounting,
     AllocationSettings,
     Choice,
     Exclusion,
@@ -15,7 +16,7 @@ from vramshare.domain import (
     choose,
 )
 
-NO_MARGIN = AllocationSettings(safety_margin_mib=0)
+NO_MARGIN = AllocationSettings(accounting=Accounting(safety_margin_mib=0))
 
 
 def fleet() -> list:
@@ -34,7 +35,7 @@ def test_spread_takes_the_gpu_with_the_most_headroom() -> None:
 
 
 def test_binpack_takes_the_smallest_gpu_that_fits() -> None:
-    settings = AllocationSettings(policy=Policy.BINPACK, safety_margin_mib=0)
+    settings = AllocationSettings(policy=Policy.BINPACK, accounting=Accounting(safety_margin_mib=0))
     decision = choose(request(20_000), fleet(), [], settings=settings, now=NOW)
     assert isinstance(decision, Choice)
     assert decision.gpu.uuid == "GPU-mid"
@@ -54,7 +55,7 @@ def test_ties_break_by_node_then_index_then_uuid(policy: Policy) -> None:
         gpu("GPU-y", node="node-a", index=1),
         gpu("GPU-x", node="node-a", index=0),
     ]
-    settings = AllocationSettings(policy=policy, safety_margin_mib=0)
+    settings = AllocationSettings(policy=policy, accounting=Accounting(safety_margin_mib=0))
     decision = choose(request(1_000), twins, [], settings=settings, now=NOW)
     assert isinstance(decision, Choice)
     assert decision.gpu.uuid == "GPU-x"
@@ -95,7 +96,9 @@ def test_stale_gpu_is_refused_by_default() -> None:
 
 
 def test_stale_gpu_counted_by_ledger_when_configured() -> None:
-    settings = AllocationSettings(safety_margin_mib=0, stale_mode=StaleGpuMode.LEDGER_ONLY)
+    settings = AllocationSettings(
+        accounting=Accounting(safety_margin_mib=0, stale_mode=StaleGpuMode.LEDGER_ONLY)
+    )
     stale = gpu(total=16_384, used=16_000, sampled_at=NOW - 1_000)
     decision = choose(request(10_000), [stale], [reservation(4_000)], settings=settings, now=NOW)
     assert isinstance(decision, Choice)
@@ -110,7 +113,7 @@ def test_sample_exactly_at_max_age_is_still_fresh() -> None:
 
 def test_request_equal_to_headroom_fits() -> None:
     g = gpu(total=16_384)
-    settings = AllocationSettings(safety_margin_mib=384)
+    settings = AllocationSettings(accounting=Accounting(safety_margin_mib=384))
     assert isinstance(choose(request(16_000), [g], [], settings=settings, now=NOW), Choice)
     assert isinstance(choose(request(16_001), [g], [], settings=settings, now=NOW), Refusal)
 

@@ -6,9 +6,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tests.unit.domain.builders import NOW, gpu, reservation
+from vramshare.domain import Accounting
 from vramshare.domain.inventory import DeviceState, InventorySettings, Known, Sample, observe
 
-SETTINGS = InventorySettings(max_sample_age_s=30, missing_grace_s=60, safety_margin_mib=500)
+SETTINGS = InventorySettings(
+    accounting=Accounting(max_sample_age_s=30, safety_margin_mib=500), missing_grace_s=60
+)
 
 
 def sample(

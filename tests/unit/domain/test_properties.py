@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 
 from tests.unit.domain.builders import NOW
 from vramshare.domain import (
+    Accounting,
     AllocationRequest,
     AllocationSettings,
     Choice,
@@ -67,10 +68,13 @@ def fleet() -> st.SearchStrategy[list[Gpu]]:
 allocation_settings = st.builds(
     AllocationSettings,
     policy=st.sampled_from(list(Policy)),
-    safety_margin_mib=st.integers(0, 2_048),
-    settle_s=st.floats(0, 300),
-    max_sample_age_s=st.floats(1, 600),
-    stale_mode=st.sampled_from(list(StaleGpuMode)),
+    accounting=st.builds(
+        Accounting,
+        safety_margin_mib=st.integers(0, 2_048),
+        settle_s=st.floats(0, 300),
+        max_sample_age_s=st.floats(1, 600),
+        stale_mode=st.sampled_from(list(StaleGpuMode)),
+    ),
 )
 requests = st.builds(
     AllocationRequest,
@@ -183,7 +187,7 @@ def test_admitting_one_after_another_never_overbooks_a_gpu(
             )
     for gpu in fleet:
         booked = sum(r.mib for r in ledger if r.gpu_uuid == gpu.uuid)
-        assert booked <= max(0, gpu.total_mib - config.safety_margin_mib)
+        assert booked <= max(0, gpu.total_mib - config.accounting.safety_margin_mib)
         # Fresh metrics: nothing unseen may exceed the live free memory either.
-        if booked and NOW - gpu.sampled_at <= config.max_sample_age_s:
-            assert booked <= gpu.free_mib - config.safety_margin_mib
+        if booked and NOW - gpu.sampled_at <= config.accounting.max_sample_age_s:
+            assert booked <= gpu.free_mib - config.accounting.safety_margin_mib

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import base64
 import json
+from dataclasses import replace
 from typing import Any
 
 import pytest
 
 from tests.unit.domain.builders import NOW, gpu
+from vramshare.domain import Accounting
 from vramshare.kube.ledger import CommitConflictError, Snapshot
-from vramshare.kube.resources import reservation_from_object
+from vramshare.kube.objects import GpuReservation
 from vramshare.settings import SettingsError
 from vramshare_webhook import review as rv
 from vramshare_webhook.admission import Admitter
@@ -21,7 +23,7 @@ from vramshare_webhook.settings import WebhookSettings
 class MemoryLedger:
     def __init__(self, *, conflicts: int = 0, fail: Exception | None = None) -> None:
         self.gpus = (gpu("GPU-a", total=16_384), gpu("GPU-b", index=1, total=8_192))
-        self.objects: list[dict[str, Any]] = []
+        self.objects: list[GpuReservation] = []
         self.conflicts = conflicts
         self.fail = fail
         self.fresh_reads = 0
@@ -32,20 +34,20 @@ class MemoryLedger:
             raise self.fail
         return Snapshot(
             gpus=self.gpus,
-            reservations=tuple(reservation_from_object(o) for o in self.objects),
+            reservations=tuple(o.to_domain() for o in self.objects),
             tokens={g.uuid: "1" for g in self.gpus},
         )
 
-    async def get_reservation(self, namespace: str, name: str) -> dict[str, Any] | None:
-        return next((o for o in self.objects if o["metadata"]["name"] == name), None)
+    async def get_reservation(self, namespace: str, name: str) -> GpuReservation | None:
+        return next((o for o in self.objects if o.name == name), None)
 
-    async def commit(self, *, reservation: dict[str, Any], gpu_uuid: str, token: str) -> dict[str, Any]:
+    async def commit(self, *, reservation: GpuReservation, token: str) -> GpuReservation:
         if self.conflicts:
             self.conflicts -= 1
             raise CommitConflictError("moved")
-        reservation["metadata"]["creationTimestamp"] = "2027-01-15T08:00:00Z"
-        self.objects.append(reservation)
-        return reservation
+        created = replace(reservation, meta=replace(reservation.meta, created_at=NOW))
+        self.objects.append(created)
+        return created
 
 
 def request(mib: str | None = "4096", *, uid: str = "u1", dry_run: bool = False, **meta: Any) -> rv.Request:
@@ -70,7 +72,7 @@ def request(mib: str | None = "4096", *, uid: str = "u1", dry_run: bool = False,
 
 def admitter(ledger: MemoryLedger, **settings: Any) -> Admitter:
     return Admitter(
-        settings=WebhookSettings(safety_margin_mib=0, **settings),
+        settings=WebhookSettings(accounting=Accounting(safety_margin_mib=0), **settings),
         ledger=ledger,
         metrics=WebhookMetrics(),
         clock=lambda: NOW,
@@ -86,10 +88,10 @@ async def test_admits_and_commits_one_reservation() -> None:
     review = await admitter(ledger).review(request())
     assert review["response"]["allowed"]
     (obj,) = ledger.objects
-    assert obj["spec"]["gpuUUID"] == "GPU-a"
-    assert obj["spec"]["admissionUID"] == "u1"
+    assert obj.spec.gpu_uuid == "GPU-a"
+    assert obj.spec.admission_uid == "u1"
     annotations = next(op["value"] for op in patch_of(review) if op["path"] == "/metadata/annotations")
-    assert annotations["vramshare.io/reservation"] == obj["metadata"]["name"]
+    assert annotations["vramshare.io/reservation"] == obj.name
 
 
 async def test_refuses_with_the_configured_code_and_commits_nothing() -> None:
@@ -189,7 +191,12 @@ def test_settings_from_env_and_their_errors() -> None:
             **TLS_FILES,
         }
     )
-    assert (s.policy.value, s.denial_code, s.hide_gpus, s.settle_s) == ("binpack", 429, False, 30.0)
+    assert (s.policy.value, s.denial_code, s.hide_gpus, s.accounting.settle_s) == (
+        "binpack",
+        429,
+        False,
+        30.0,
+    )
     with pytest.raises(
         SettingsError, match=r"VRAMSHARE_POLICY='pack' is not valid: expected one of spread, binpack"
     ):

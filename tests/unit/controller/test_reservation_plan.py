@@ -5,8 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 from tests.unit.domain.builders import NOW
-from vramshare.controller.inventory import conditions
-from vramshare.controller.lifecycle import PodInfo, plan
+from vramshare.controller.devices import conditions
+from vramshare.controller.reservations import PodInfo, plan
+from vramshare.domain import ReservationPhase
+from vramshare.kube.objects import GpuReservation
 from vramshare.kube.resources import format_time
 
 POD = PodInfo(name="task", uid="uid-1", phase="Running", running_since=NOW - 30)
@@ -35,14 +37,16 @@ def obj(
 
 
 def make(o: dict[str, Any], pod: PodInfo | None = POD, *, missing: bool = False):  # type: ignore[no-untyped-def]
-    return plan(obj=o, pod=pod, gpu_missing=missing, now=NOW, ttl_s=300, retention_s=600)
+    res = GpuReservation.from_wire(o)
+    return plan(res=res, pod=pod, gpu_missing=missing, now=NOW, ttl_s=300, retention_s=600)
 
 
 def test_binding_records_the_pod_owner_and_posts_the_reserved_event() -> None:
     p = make(obj())
-    assert p.status["phase"] == "Bound"
-    assert p.status["podUID"] == "uid-1"
-    assert p.status["podRunningSince"] == format_time(NOW - 30)
+    assert p.status is not None
+    assert p.status.phase is ReservationPhase.BOUND
+    assert p.status.pod_uid == "uid-1"
+    assert p.status.to_wire()["podRunningSince"] == format_time(NOW - 30)
     assert p.owner == POD
     assert p.event is not None
     assert p.event.message == "Reserved 4096 MiB on GPU-1 (node-a, index 2)"
@@ -58,7 +62,8 @@ def test_finished_pod_releases() -> None:
         obj("Bound", owners=[{"uid": "uid-1"}], podUID="uid-1", podRunningSince=format_time(NOW - 30)),
         PodInfo(name="task", uid="uid-1", phase="Succeeded", running_since=NOW - 30),
     )
-    assert (p.status["phase"], p.status["reason"]) == ("Released", "PodFinished")
+    assert p.status is not None
+    assert (p.status.phase, p.status.reason) == (ReservationPhase.RELEASED, "PodFinished")
     assert p.event is not None
     assert p.event.reason == "GpuReleased"
 
@@ -68,7 +73,8 @@ def test_missing_gpu_loses_with_a_warning() -> None:
         obj("Bound", owners=[{"uid": "uid-1"}], podUID="uid-1", podRunningSince=format_time(NOW - 30)),
         missing=True,
     )
-    assert p.status["phase"] == "Lost"
+    assert p.status is not None
+    assert p.status.phase is ReservationPhase.LOST
     assert p.event is not None
     assert p.event.type == "Warning"
 
@@ -76,7 +82,8 @@ def test_missing_gpu_loses_with_a_warning() -> None:
 def test_orphan_expires_only_after_the_ttl_and_posts_nothing() -> None:
     assert make(obj("Reserved", age=299), None).empty
     p = make(obj("Reserved", age=300), None)
-    assert p.status["phase"] == "Expired"
+    assert p.status is not None
+    assert p.status.phase is ReservationPhase.EXPIRED
     assert p.event is None
 
 
@@ -87,7 +94,8 @@ def test_terminal_reservations_are_deleted_after_retention() -> None:
 
 def test_new_reservation_without_status_shows_reserved() -> None:
     p = make(obj(age=1), None)
-    assert p.status == {"phase": "Reserved"}
+    assert p.status is not None
+    assert p.status.to_wire() == {"phase": "Reserved"}
 
 
 def test_pod_info_reads_the_earliest_container_start() -> None:
@@ -111,9 +119,9 @@ def test_conditions_keep_transition_times_while_unchanged() -> None:
     wanted = {k: (k == "Ready", "r", "m") for k in ("Ready", "Stale", "Missing", "MemoryOverused")}
     first = conditions([], wanted, NOW - 100)
     again = conditions(first, wanted, NOW)
-    assert [c["lastTransitionTime"] for c in again] == [format_time(NOW - 100)] * 4
+    assert [c.to_wire()["lastTransitionTime"] for c in again] == [format_time(NOW - 100)] * 4
     flipped = conditions(again, {**wanted, "Stale": (True, "r", "m")}, NOW)
-    times = {c["type"]: c["lastTransitionTime"] for c in flipped}
+    times = {c.type: c.to_wire()["lastTransitionTime"] for c in flipped}
     assert times["Stale"] == format_time(NOW)
     assert times["Ready"] == format_time(NOW - 100)
 

@@ -1,0 +1,242 @@
+"""The inventory loop: one GpuDevice per GPU UUID, kept in step with DCGM.
+
+Each poll reads DCGM from Prometheus (keeping the last inventory when it is unreachable), lists what
+the API server holds, lets the pure domain judge every GPU (`observe`), writes only what changed and
+publishes which GPUs are gone (`GpuPresence`) for the reservation reconciler. All state lives in the
+API server, so a new leader picks up where the old one stopped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+
+import structlog
+
+from vramshare.controller.metrics import ControllerMetrics
+from vramshare.controller.settings import ControllerSettings
+from vramshare.domain import Reservation
+from vramshare.domain.inventory import DeviceState, GpuPresence, Known, observe
+from vramshare.domain.inventory import DeviceStatus as Judged
+from vramshare.kube.client import KubeClient
+from vramshare.kube.events import Event, Involved, post_event
+from vramshare.kube.objects import Condition, DeviceSpec, DeviceStatus, GpuDevice, GpuReservation
+from vramshare.kube.resources import API_VERSION, devices_path, reservations_path
+from vramshare.prometheus import DcgmReading, DcgmSource, PrometheusUnavailableError
+
+log = structlog.get_logger("vramshare.controller")
+
+CONDITION_TYPES = ("Ready", "Stale", "Missing", "MemoryOverused")
+
+
+def conditions(
+    previous: Sequence[Condition], wanted: dict[str, tuple[bool, str, str]], now: float
+) -> tuple[Condition, ...]:
+    """Conditions with lastTransitionTime kept while a condition's status does not change."""
+    before = {c.type: c for c in previous}
+    out = []
+    for kind in CONDITION_TYPES:
+        ok, reason, message = wanted[kind]
+        old = before.get(kind)
+        since = old.last_transition if old is not None and old.status == ok else now
+        out.append(Condition(type=kind, status=ok, reason=reason, message=message, last_transition=since))
+    return tuple(out)
+
+
+def device_status(judged: Judged, previous: DeviceStatus | None, *, now: float) -> DeviceStatus:
+    """What the GpuDevice's status should say about `judged`."""
+    gpu, room, state = judged.gpu, judged.headroom, judged.state
+    over = judged.overused_mib > 0
+    wanted = {
+        "Ready": (state is DeviceState.READY, state.value, judged.message),
+        "Stale": (
+            state is DeviceState.STALE,
+            "SampleTooOld" if state is DeviceState.STALE else "SampleFresh",
+            judged.message,
+        ),
+        "Missing": (
+            state is DeviceState.MISSING,
+            "NotReported" if state is DeviceState.MISSING else "Reported",
+            judged.message,
+        ),
+        "MemoryOverused": (
+            over,
+            "UsageAboveReservations" if over else "UsageWithinReservations",
+            f"{gpu.used_mib} MiB used, {room.reserved_mib} MiB reserved",
+        ),
+    }
+    return DeviceStatus(
+        total_mib=gpu.total_mib,
+        used_mib=gpu.used_mib,
+        free_mib=gpu.free_mib,
+        driver_reserved_mib=gpu.driver_reserved_mib,
+        reserved_mib=room.reserved_mib,
+        headroom_mib=room.headroom_mib,
+        sampled_at=gpu.sampled_at,
+        last_seen_at=judged.last_seen_at,
+        state=state.value,
+        conditions=conditions(previous.conditions if previous else (), wanted, now),
+    )
+
+
+def _overused(status: DeviceStatus | None) -> bool:
+    condition = status.condition("MemoryOverused") if status is not None else None
+    return condition is not None and condition.status
+
+
+class InventoryLoop:
+    """The leader's inventory: `poll()` once, or `run()` every poll interval."""
+
+    def __init__(
+        self,
+        *,
+        kube: KubeClient,
+        source: DcgmSource,
+        settings: ControllerSettings,
+        metrics: ControllerMetrics,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.kube = kube
+        self.source = source
+        self.settings = settings
+        self.metrics = metrics
+        self.clock = clock
+        self.presence = GpuPresence()
+        """Which GPUs the last poll found gone; read by the reservation reconciler."""
+        self.outage: str | None = None
+
+    async def _reading(self) -> DcgmReading | None:
+        try:
+            reading = await self.source.read()
+        except (PrometheusUnavailableError, TimeoutError) as exc:
+            self.metrics.prometheus_errors.inc()
+            if self.outage is None:
+                log.warning(
+                    "Prometheus unreachable: keeping the last inventory, samples will go stale",
+                    url=self.source.url,
+                    error=str(exc),
+                )
+            self.outage = str(exc)
+            return None
+        if self.outage is not None:
+            log.info("Prometheus reachable again", url=self.source.url)
+            self.outage = None
+        for problem in reading.skipped:
+            log.warning("DCGM series skipped", problem=problem)
+        return reading
+
+    async def poll(self) -> list[Judged]:
+        reading = await self._reading()
+        devices = [GpuDevice.from_wire(o) for o in (await self.kube.list(devices_path())).get("items", [])]
+        reservations = [
+            GpuReservation.from_wire(o).to_domain()
+            for o in (await self.kube.list(reservations_path())).get("items", [])
+        ]
+        nodes = {n["metadata"]["name"] for n in (await self.kube.list("/api/v1/nodes")).get("items", [])}
+        now = self.clock()
+        by_uuid = {d.spec.uuid: d for d in devices}
+        known = []
+        for device in devices:
+            gpu = device.to_domain()
+            if gpu is not None and device.status is not None and device.status.last_seen_at is not None:
+                known.append(Known(gpu=gpu, last_seen_at=device.status.last_seen_at))
+        statuses = observe(
+            known=known,
+            samples=reading.samples if reading else [],
+            reservations=reservations,
+            nodes=nodes,
+            now=now,
+            settings=self.settings.inventory,
+        )
+        for judged in statuses:
+            await self._write_device(judged, by_uuid.get(judged.gpu.uuid), reservations=reservations, now=now)
+        self.presence = GpuPresence.of(statuses)
+        self._export(statuses, reservations, now)
+        return statuses
+
+    async def _write_device(
+        self, judged: Judged, device: GpuDevice | None, *, reservations: list[Reservation], now: float
+    ) -> None:
+        gpu = judged.gpu
+        spec = DeviceSpec(uuid=gpu.uuid, node_name=gpu.node, index=gpu.index, model=gpu.model)
+        if device is None:
+            device = GpuDevice.from_wire(
+                await self.kube.create(devices_path(), GpuDevice.new(spec).to_wire())
+            )
+            log.info("GPU discovered", uuid=gpu.uuid, node=gpu.node, index=gpu.index, model=gpu.model)
+        elif device.spec != spec and judged.state is not DeviceState.MISSING:
+            # The same card moved to another index or node label; its UUID is what identifies it.
+            changed = {k: v for k, v in spec.to_wire().items() if k != "uuid"}
+            await self.kube.merge_patch(devices_path(device.meta.name), {"spec": changed})
+        previous = device.status
+        desired = device_status(judged, previous, now=now)
+        if previous is not None and desired.to_wire() == previous.to_wire():
+            return
+        await self.kube.merge_patch(f"{devices_path(device.meta.name)}/status", {"status": desired.to_wire()})
+        if previous is None or previous.state != desired.state:
+            log.info(
+                "GPU state changed",
+                uuid=gpu.uuid,
+                node=gpu.node,
+                state=desired.state,
+                previous=previous.state if previous else None,
+                message=judged.message,
+            )
+        was_over = _overused(previous)
+        if judged.overused_mib > 0 and not was_over:
+            pods = sorted(
+                f"{r.namespace}/{r.pod}" for r in reservations if r.is_active and r.gpu_uuid == gpu.uuid
+            )
+            message = (
+                f"GPU {gpu.label} uses {gpu.used_mib} MiB, {judged.overused_mib} MiB more than its "
+                f"reservations ({judged.headroom.reserved_mib} MiB) plus the margin; pods on it: "
+                f"{', '.join(pods) or 'none booked (a process vramshare does not know)'}"
+            )
+            log.warning(
+                "GPU memory overused",
+                uuid=gpu.uuid,
+                node=gpu.node,
+                overused_mib=judged.overused_mib,
+                pods=pods,
+            )
+            await post_event(
+                self.kube,
+                namespace="default",
+                involved=Involved(
+                    api_version=API_VERSION, kind="GpuDevice", name=device.meta.name, uid=device.meta.uid
+                ),
+                event=Event(type="Warning", reason="MemoryOverused", message=message),
+                now=now,
+                reporter=self.settings.identity,
+            )
+        elif judged.overused_mib == 0 and was_over:
+            log.info("GPU memory back within reservations", uuid=gpu.uuid, node=gpu.node)
+
+    def _export(self, statuses: list[Judged], reservations: list[Reservation], now: float) -> None:
+        m = self.metrics
+        for g in (m.total, m.used, m.reserved, m.headroom, m.sample_age, m.overused, m.state):
+            g.clear()
+        for s in statuses:
+            labels = (s.gpu.node, s.gpu.uuid)
+            m.total.labels(*labels).set(s.gpu.total_mib)
+            m.used.labels(*labels).set(s.gpu.used_mib)
+            m.reserved.labels(*labels).set(s.headroom.reserved_mib)
+            m.headroom.labels(*labels).set(s.headroom.headroom_mib)
+            m.sample_age.labels(*labels).set(max(0.0, now - s.gpu.sampled_at))
+            m.overused.labels(*labels).set(s.overused_mib)
+            for state in DeviceState:
+                m.state.labels(*labels, state.value).set(1 if s.state is state else 0)
+        counts = Counter(r.phase.value for r in reservations)
+        m.reservations.clear()
+        for phase, n in counts.items():
+            m.reservations.labels(phase).set(n)
+
+    async def run(self) -> None:
+        while True:
+            try:
+                await self.poll()
+            except Exception as exc:  # the API server is briefly away: try again next round
+                log.warning("inventory poll failed", error=str(exc))
+            await asyncio.sleep(self.settings.poll_interval_s)

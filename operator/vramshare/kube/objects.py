@@ -1,0 +1,415 @@
+"""GpuDevice and GpuReservation as typed values, with their one conversion from and to the wire.
+
+Every reader of vramshare's custom resources (the webhook's ledger, the controller, `vramshare status`)
+decodes them here, so a field's spelling and its default live in one place. Times are Unix seconds.
+Decoding is lenient where the API server's schema already guarantees a shape, and defaults what an
+older object may lack (a reservation without status is Reserved: the webhook cannot write status on
+create).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Self
+
+from vramshare.domain import Gpu, Reservation, ReservationPhase
+from vramshare.domain.inventory import DeviceState
+from vramshare.kube.resources import (
+    API_VERSION,
+    LABEL_ACTIVE,
+    LABEL_COMMITTED,
+    LABEL_GPU,
+    device_name,
+    format_time,
+    format_time_precise,
+    parse_time,
+)
+
+Obj = dict[str, Any]
+
+
+def _put(out: Obj, key: str, value: object) -> None:
+    if value is not None:
+        out[key] = value
+
+
+@dataclass(frozen=True, kw_only=True)
+class OwnerRef:
+    api_version: str
+    kind: str
+    name: str
+    uid: str
+
+    @classmethod
+    def from_wire(cls, obj: Obj) -> Self:
+        return cls(
+            api_version=str(obj.get("apiVersion", "")),
+            kind=str(obj.get("kind", "")),
+            name=str(obj.get("name", "")),
+            uid=str(obj.get("uid", "")),
+        )
+
+    def to_wire(self) -> Obj:
+        return {"apiVersion": self.api_version, "kind": self.kind, "name": self.name, "uid": self.uid}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Meta:
+    """The metadata vramshare reads and writes."""
+
+    name: str
+    namespace: str | None = None
+    uid: str = ""
+    resource_version: str = ""
+    created_at: float | None = None
+    labels: Mapping[str, str] = field(default_factory=dict)
+    annotations: Mapping[str, str] = field(default_factory=dict)
+    owners: tuple[OwnerRef, ...] = ()
+
+    @classmethod
+    def from_wire(cls, obj: Obj) -> Self:
+        return cls(
+            name=obj["name"],
+            namespace=obj.get("namespace"),
+            uid=obj.get("uid", ""),
+            resource_version=obj.get("resourceVersion", ""),
+            created_at=parse_time(obj.get("creationTimestamp")),
+            labels=dict(obj.get("labels") or {}),
+            annotations=dict(obj.get("annotations") or {}),
+            owners=tuple(OwnerRef.from_wire(o) for o in obj.get("ownerReferences") or []),
+        )
+
+    def to_wire(self) -> Obj:
+        """What a create sends; server-set fields (uid, resourceVersion, timestamps) are left out."""
+        out: Obj = {"name": self.name}
+        _put(out, "namespace", self.namespace)
+        if self.labels:
+            out["labels"] = dict(self.labels)
+        if self.annotations:
+            out["annotations"] = dict(self.annotations)
+        if self.owners:
+            out["ownerReferences"] = [o.to_wire() for o in self.owners]
+        return out
+
+
+# -- GpuReservation -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReservationSpec:
+    pod_name: str
+    """The pod's name, or its generateName prefix followed by '*' until the controller binds it."""
+    memory_mib: int
+    node_name: str
+    gpu_uuid: str
+    gpu_index: int
+    admission_uid: str = ""
+
+    @classmethod
+    def from_wire(cls, obj: Obj) -> Self:
+        return cls(
+            pod_name=obj["podName"],
+            memory_mib=int(obj["memoryMiB"]),
+            node_name=obj["nodeName"],
+            gpu_uuid=obj["gpuUUID"],
+            gpu_index=int(obj["gpuIndex"]),
+            admission_uid=obj.get("admissionUID", ""),
+        )
+
+    def to_wire(self) -> Obj:
+        out: Obj = {
+            "podName": self.pod_name,
+            "memoryMiB": self.memory_mib,
+            "nodeName": self.node_name,
+            "gpuUUID": self.gpu_uuid,
+            "gpuIndex": self.gpu_index,
+        }
+        if self.admission_uid:
+            out["admissionUID"] = self.admission_uid
+        return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReservationStatus:
+    """Written by the controller only. Absent fields are None."""
+
+    phase: ReservationPhase | None = None
+    reason: str | None = None
+    message: str | None = None
+    pod_uid: str | None = None
+    pod_running_since: float | None = None
+    finished_at: float | None = None
+
+    @classmethod
+    def from_wire(cls, obj: Obj) -> Self:
+        phase = obj.get("phase")
+        return cls(
+            phase=ReservationPhase(phase) if phase else None,
+            reason=obj.get("reason"),
+            message=obj.get("message"),
+            pod_uid=obj.get("podUID"),
+            pod_running_since=parse_time(obj.get("podRunningSince")),
+            finished_at=parse_time(obj.get("finishedAt")),
+        )
+
+    def to_wire(self) -> Obj:
+        out: Obj = {}
+        _put(out, "phase", self.phase.value if self.phase is not None else None)
+        _put(out, "reason", self.reason)
+        _put(out, "message", self.message)
+        _put(out, "podUID", self.pod_uid)
+        if self.pod_running_since is not None:
+            out["podRunningSince"] = format_time(self.pod_running_since)
+        if self.finished_at is not None:
+            out["finishedAt"] = format_time(self.finished_at)
+        return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class GpuReservation:
+    meta: Meta
+    spec: ReservationSpec
+    status: ReservationStatus = field(default_factory=ReservationStatus)
+
+    @classmethod
+    def from_wire(cls, obj: Obj) -> Self:
+        return cls(
+            meta=Meta.from_wire(obj["metadata"]),
+            spec=ReservationSpec.from_wire(obj["spec"]),
+            status=ReservationStatus.from_wire(obj.get("status") or {}),
+        )
+
+    def to_wire(self) -> Obj:
+        out: Obj = {
+            "apiVersion": API_VERSION,
+            "kind": "GpuReservation",
+            "metadata": self.meta.to_wire(),
+            "spec": self.spec.to_wire(),
+        }
+        status = self.status.to_wire()
+        if status:
+            out["status"] = status
+        return out
+
+    @classmethod
+    def new(
+        cls, *, name: str, namespace: str, pod: str, mib: int, gpu: Gpu, admission_uid: str
+    ) -> GpuReservation:
+        """A booking as the webhook creates it: not yet committed, active."""
+        return GpuReservation(
+            meta=Meta(
+                name=name,
+                namespace=namespace,
+                labels={
+                    LABEL_GPU: device_name(gpu.uuid),
+                    LABEL_COMMITTED: "false",
+                    LABEL_ACTIVE: "true",
+                    "app.kubernetes.io/managed-by": "vramshare",
+                },
+            ),
+            spec=ReservationSpec(
+                pod_name=pod,
+                memory_mib=mib,
+                node_name=gpu.node,
+                gpu_uuid=gpu.uuid,
+                gpu_index=gpu.index,
+                admission_uid=admission_uid,
+            ),
+        )
+
+    @property
+    def namespace(self) -> str:
+        return self.meta.namespace or ""
+
+    @property
+    def name(self) -> str:
+        return self.meta.name
+
+    @property
+    def key(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+    @property
+    def phase(self) -> ReservationPhase:
+        """The recorded phase; none yet means just Reserved."""
+        return self.status.phase or ReservationPhase.RESERVED
+
+    @property
+    def labelled_active(self) -> bool:
+        """False once the controller labelled it ended; unlabelled (made by hand) counts as active."""
+        return self.meta.labels.get(LABEL_ACTIVE) != "false"
+
+    def to_domain(self) -> Reservation:
+        return Reservation(
+            name=self.meta.name,
+            namespace=self.namespace,
+            pod=self.spec.pod_name,
+            mib=self.spec.memory_mib,
+            node=self.spec.node_name,
+            gpu_uuid=self.spec.gpu_uuid,
+            gpu_index=self.spec.gpu_index,
+            phase=self.phase,
+            reserved_at=self.meta.created_at or 0.0,
+            pod_running_since=self.status.pod_running_since,
+            finished_at=self.status.finished_at,
+        )
+
+
+# -- GpuDevice ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeviceSpec:
+    uuid: str
+    node_name: str
+    index: int
+    model: str = ""
+
+    @classmethod
+    def from_wire(cls, obj: Obj) -> Self:
+        return cls(
+            uuid=obj["uuid"],
+            node_name=obj["nodeName"],
+            index=int(obj["index"]),
+            model=obj.get("model", ""),
+        )
+
+    def to_wire(self) -> Obj:
+        return {"uuid": self.uuid, "nodeName": self.node_name, "index": self.index, "model": self.model}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Condition:
+    type: str
+    status: bool
+    reason: str
+    message: str
+    last_transition: float
+
+    @classmethod
+    def from_wire(cls, obj: Obj) -> Self:
+        return cls(
+            type=str(obj.get("type", "")),
+            status=obj.get("status") == "True",
+            reason=str(obj.get("reason", "")),
+            message=str(obj.get("message", "")),
+            last_transition=parse_time(obj.get("lastTransitionTime")) or 0.0,
+        )
+
+    def to_wire(self) -> Obj:
+        return {
+            "type": self.type,
+            "status": "True" if self.status else "False",
+            "reason": self.reason,
+            "message": self.message,
+            "lastTransitionTime": format_time(self.last_transition),
+        }
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeviceStatus:
+    """What the controller publishes about one GPU (figures in MiB)."""
+
+    total_mib: int
+    used_mib: int
+    free_mib: int
+    driver_reserved_mib: int
+    reserved_mib: int
+    headroom_mib: int
+    sampled_at: float
+    last_seen_at: float | None
+    state: str
+    """Ready, Stale, Missing or Unhealthy: a summary of the conditions for `kubectl get`."""
+    conditions: tuple[Condition, ...] = ()
+
+    @classmethod
+    def from_wire(cls, obj: Obj) -> Self | None:
+        """None while the GPU has no sample yet."""
+        sampled_at = parse_time(obj.get("sampledAt"))
+        if sampled_at is None or "totalMiB" not in obj:
+            return None
+        return cls(
+            total_mib=int(obj["totalMiB"]),
+            used_mib=int(obj.get("usedMiB", 0)),
+            free_mib=int(obj.get("freeMiB", 0)),
+            driver_reserved_mib=int(obj.get("driverReservedMiB", 0)),
+            reserved_mib=int(obj.get("reservedMiB", 0)),
+            headroom_mib=int(obj.get("headroomMiB", 0)),
+            sampled_at=sampled_at,
+            last_seen_at=parse_time(obj.get("lastSeenAt")),
+            state=str(obj.get("state", "")),
+            conditions=tuple(Condition.from_wire(c) for c in obj.get("conditions") or []),
+        )
+
+    def to_wire(self) -> Obj:
+        out: Obj = {
+            "totalMiB": self.total_mib,
+            "usedMiB": self.used_mib,
+            "freeMiB": self.free_mib,
+            "driverReservedMiB": self.driver_reserved_mib,
+            "reservedMiB": self.reserved_mib,
+            "headroomMiB": self.headroom_mib,
+            "sampledAt": format_time_precise(self.sampled_at),
+            "state": self.state,
+            "conditions": [c.to_wire() for c in self.conditions],
+        }
+        if self.last_seen_at is not None:
+            out["lastSeenAt"] = format_time_precise(self.last_seen_at)
+        return out
+
+    def condition(self, kind: str) -> Condition | None:
+        return next((c for c in self.conditions if c.type == kind), None)
+
+
+@dataclass(frozen=True, kw_only=True)
+class GpuDevice:
+    meta: Meta
+    spec: DeviceSpec
+    status: DeviceStatus | None = None
+
+    @classmethod
+    def from_wire(cls, obj: Obj) -> Self:
+        return cls(
+            meta=Meta.from_wire(obj["metadata"]),
+            spec=DeviceSpec.from_wire(obj["spec"]),
+            status=DeviceStatus.from_wire(obj.get("status") or {}),
+        )
+
+    def to_wire(self) -> Obj:
+        out: Obj = {
+            "apiVersion": API_VERSION,
+            "kind": "GpuDevice",
+            "metadata": self.meta.to_wire(),
+            "spec": self.spec.to_wire(),
+        }
+        if self.status is not None:
+            out["status"] = self.status.to_wire()
+        return out
+
+    @classmethod
+    def new(cls, spec: DeviceSpec) -> GpuDevice:
+        """A GpuDevice as the controller first creates it, named after the UUID."""
+        return GpuDevice(meta=Meta(name=device_name(spec.uuid)), spec=spec)
+
+    @property
+    def ledger_token(self) -> str:
+        """The resourceVersion every commit on this GPU must move (see vramshare.kube.ledger)."""
+        return self.meta.resource_version
+
+    def to_domain(self) -> Gpu | None:
+        """The domain's view of the GPU, or None when it has no sample yet."""
+        if self.status is None:
+            return None
+        return Gpu(
+            uuid=self.spec.uuid,
+            node=self.spec.node_name,
+            index=self.spec.index,
+            model=self.spec.model,
+            total_mib=self.status.total_mib,
+            used_mib=self.status.used_mib,
+            free_mib=self.status.free_mib,
+            sampled_at=self.status.sampled_at,
+            healthy=self.status.state != "Unhealthy",
+            missing=self.status.state == DeviceState.MISSING.value,
+        )

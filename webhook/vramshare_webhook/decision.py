@@ -1,0 +1,163 @@
+"""What the webhook decided about one pod, as a value, and the one place it becomes an answer.
+
+`Admitter.decide()` returns one of the decisions below; `answer()` maps it to the AdmissionReview
+response and to the metric labels, so an outcome's wording, HTTP code and metric labels cannot drift
+apart.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from vramshare_webhook import review as rv
+from vramshare_webhook.pod import Operation, Placement
+from vramshare_webhook.settings import WebhookSettings
+
+
+class Outcome(StrEnum):
+    """The `outcome` label of vramshare_webhook_decisions_total."""
+
+    ADMITTED = "admitted"
+    REFUSED = "refused"
+    INVALID = "invalid"
+    HIDDEN = "hidden"
+    SKIPPED = "skipped"
+    ERROR = "error"
+
+
+class Reason(StrEnum):
+    """The `reason` label of vramshare_webhook_decisions_total (errors use the exception's type)."""
+
+    NOT_A_POD_CREATE = "not-a-pod-create"
+    NO_GPU_REQUEST = "no-gpu-request"
+    MALFORMED_POD = "malformed-pod"
+    DEVICE_PLUGIN_RESOURCE = "device-plugin-resource"
+    INVALID_ANNOTATION = "invalid-annotation"
+    FITS = "fits"
+    DRY_RUN = "dry-run"
+    REINVOCATION = "reinvocation"
+    NO_GPU_FITS = "no-gpu-fits"
+    CONTENTION = "contention"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Skip:
+    """Not vramshare's business: allowed unchanged."""
+
+    reason: Reason
+
+
+@dataclass(frozen=True, kw_only=True)
+class Hide:
+    """A pod without a GPU request, given NVIDIA_VISIBLE_DEVICES=none."""
+
+    patch: list[Operation]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Invalid:
+    """The pod's own input is wrong: a 400 naming the field, the value and what is accepted."""
+
+    reason: Reason
+    message: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class Admit:
+    placement: Placement
+    patch: list[Operation]
+    reason: Reason
+    details: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Refuse:
+    """No GPU has room now (decided on a consistent view)."""
+
+    message: str
+    details: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Contention:
+    """Room may exist, but commits kept conflicting until the decision deadline."""
+
+    message: str
+    details: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Errored:
+    """vramshare could not decide (API server away, a bug); the failurePolicy decides what follows."""
+
+    message: str
+    error_type: str
+
+
+Decision = Skip | Hide | Invalid | Admit | Refuse | Contention | Errored
+
+
+@dataclass(frozen=True, kw_only=True)
+class Answer:
+    review: rv.Review
+    outcome: Outcome
+    reason: str
+    log_fields: Mapping[str, Any]
+
+
+def answer(decision: Decision, *, uid: str, settings: WebhookSettings) -> Answer:
+    """The AdmissionReview response and the metric labels for `decision`."""
+    match decision:
+        case Skip(reason=reason):
+            return Answer(review=rv.allowed(uid), outcome=Outcome.SKIPPED, reason=reason, log_fields={})
+        case Hide(patch=patch):
+            return Answer(
+                review=rv.patched(uid, patch),
+                outcome=Outcome.HIDDEN,
+                reason=Reason.NO_GPU_REQUEST,
+                log_fields={},
+            )
+        case Invalid(reason=reason, message=message):
+            return Answer(
+                review=rv.denied(uid, message, code=400, reason="BadRequest"),
+                outcome=Outcome.INVALID,
+                reason=reason,
+                log_fields={"message": message},
+            )
+        case Admit(placement=p, patch=patch, reason=reason, details=details):
+            fields = {**details, "gpu": p.gpu_uuid, "node": p.node, "reservation": p.reservation}
+            return Answer(
+                review=rv.patched(uid, patch), outcome=Outcome.ADMITTED, reason=reason, log_fields=fields
+            )
+        case Refuse(message=message, details=details):
+            return Answer(
+                review=_deny(uid, message, settings),
+                outcome=Outcome.REFUSED,
+                reason=Reason.NO_GPU_FITS,
+                log_fields=details,
+            )
+        case Contention(message=message, details=details):
+            return Answer(
+                review=_deny(uid, message, settings),
+                outcome=Outcome.REFUSED,
+                reason=Reason.CONTENTION,
+                log_fields=details,
+            )
+        case Errored(message=message, error_type=error_type):
+            return Answer(
+                review=rv.errored(uid, message), outcome=Outcome.ERROR, reason=error_type, log_fields={}
+            )
+
+
+def _deny(uid: str, message: str, settings: WebhookSettings) -> rv.Review:
+    code = settings.denial_code
+    return rv.denied(
+        uid,
+        message,
+        code=code,
+        reason="TooManyRequests" if code == 429 else "Forbidden",
+        retry_after_s=settings.retry_after_s if code == 429 else None,
+    )
