@@ -10,7 +10,6 @@ ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 COPY pyproject.toml README.md ./
 COPY operator/ operator/
 COPY webhook/ webhook/
-COPY e2e/vramshare_e2e/ e2e/vramshare_e2e/
 RUN pip wheel --wheel-dir /wheels .
 
 # Final stage: the wheels installed into a virtualenv, no compilers, no build files, non-root.

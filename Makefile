@@ -7,17 +7,17 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 # The virtualenv is rebuilt when pyproject.toml changes.
-VENV_STAMP := $(VENV)/.installed-$(shell sha256sum pyproject.toml | cut -c1-12)
+VENV_STAMP := $(VENV)/.installed-$(shell cat pyproject.toml e2e/pyproject.toml | sha256sum | cut -c1-12)
 
 .PHONY: help
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-18s %s\n", $$1, $$2}'
 
-$(VENV_STAMP): pyproject.toml
+$(VENV_STAMP): pyproject.toml e2e/pyproject.toml
 	@echo "[vramshare] setting up $(VENV) (Python dependencies)"
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	@$(BIN)/pip install --quiet --disable-pip-version-check --upgrade pip
-	@$(BIN)/pip install --quiet --disable-pip-version-check -e '.[dev]'
+	@$(BIN)/pip install --quiet --disable-pip-version-check -e '.[dev]' -e ./e2e
 	@rm -f $(VENV)/.installed-* && touch $@
 
 .PHONY: venv
@@ -63,7 +63,7 @@ bench-packing: venv ## Packing quality of vramshare vs Kaapana-like, whole-GPU a
 .PHONY: reliability
 reliability: venv tools ## The adversarial suite at larger sizes (RELIABILITY_PODS, RELIABILITY_FUZZ_CASES)
 	RELIABILITY_PODS=$${RELIABILITY_PODS:-1000} RELIABILITY_FUZZ_CASES=$${RELIABILITY_FUZZ_CASES:-5000} \
-		$(BIN)/pytest -s e2e/reliability
+		$(BIN)/pytest -s tests/reliability
 
 .PHONY: cluster
 cluster: venv tools ## Run the local control plane in the foreground (Ctrl-C stops it)

@@ -108,7 +108,7 @@ def fleet_readings(fleet: Fleet) -> list[GpuReading]:
 
 def nvml_readings(hostname: str) -> list[GpuReading]:  # pragma: no cover - needs a real GPU
     """Real framebuffer figures through NVML, in MiB as DCGM reports them."""
-    import pynvml  # type: ignore[import-not-found]  # optional extra: vramshare[nvml]
+    import pynvml  # type: ignore[import-not-found]  # optional extra: vramshare-e2e[nvml]
 
     pynvml.nvmlInit()
     try:

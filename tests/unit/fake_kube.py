@@ -1,0 +1,153 @@
+"""An in-memory stand-in for `KubeClient`, for unit tests of the adapters' own logic.
+
+It keeps objects by path with a global resourceVersion counter, honours resourceVersion
+preconditions on merge patches, replaces and deletes (409 on a stale one), answers 404 and 409 as the
+API server does, and lets a test break any call (`fail`). It is no model of the API server: the
+integration tests run against a real one.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime as dt
+from collections.abc import Callable
+from typing import Any
+
+from vramshare.kube.client import ApiError
+
+Obj = dict[str, Any]
+
+NOW_STAMP = "2027-01-15T08:00:00Z"
+
+
+def _merge(target: Obj, patch: Obj) -> Obj:
+    """RFC 7386 JSON merge patch."""
+    out = copy.deepcopy(target)
+    for key, value in patch.items():
+        if value is None:
+            out.pop(key, None)
+        elif isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def _selected(obj: Obj, selector: str | None) -> bool:
+    labels = obj.get("metadata", {}).get("labels") or {}
+    for term in (selector or "").split(","):
+        term = term.strip()
+        if not term:
+            continue
+        if "!=" in term:
+            key, value = term.split("!=")
+            if labels.get(key) == value:
+                return False
+        elif "=" in term:
+            key, value = term.split("=")
+            if labels.get(key) != value:
+                return False
+        elif term not in labels:
+            return False
+    return True
+
+
+class FakeKube:
+    def __init__(self, *, clock: Callable[[], float] | None = None) -> None:
+        self.objects: dict[str, Obj] = {}
+        self.version = 0
+        self.calls: list[tuple[str, str]] = []
+        self.fail: Callable[[str, str], BaseException | None] = lambda op, path: None
+        """Called before every operation with (operation, path); a returned exception is raised."""
+        self.clock = clock
+
+    def _check(self, op: str, path: str) -> None:
+        self.calls.append((op, path))
+        error = self.fail(op, path)
+        if error is not None:
+            raise error
+
+    def _bump(self, obj: Obj) -> Obj:
+        self.version += 1
+        obj["metadata"]["resourceVersion"] = str(self.version)
+        return obj
+
+    def _found(self, path: str) -> Obj:
+        if path not in self.objects:
+            raise ApiError(status=404, reason="NotFound", message=f"{path} not found")
+        return self.objects[path]
+
+    def _precondition(self, current: Obj, version: str | None) -> None:
+        if version is not None and version != current["metadata"]["resourceVersion"]:
+            raise ApiError(status=409, reason="Conflict", message="the object has been modified")
+
+    async def get(self, path: str) -> Obj:
+        self._check("get", path)
+        return copy.deepcopy(self._found(path))
+
+    async def list(
+        self,
+        path: str,
+        *,
+        label_selector: str | None = None,
+        resource_version: str | None = None,
+        not_older_than: bool = False,
+    ) -> Obj:
+        self._check("list", path)
+        prefix = path.rstrip("/") + "/"
+        items = [
+            copy.deepcopy(o)
+            for p, o in sorted(self.objects.items())
+            if (p.startswith(prefix) or _in_all_namespaces(p, path)) and _selected(o, label_selector)
+        ]
+        return {"metadata": {"resourceVersion": str(self.version)}, "items": items}
+
+    async def create(self, path: str, obj: Obj, *, dry_run: bool = False) -> Obj:
+        self._check("create", path)
+        obj = copy.deepcopy(obj)
+        meta = obj.setdefault("metadata", {})
+        if "name" not in meta:
+            meta["name"] = f"{meta.get('generateName', 'obj-')}{self.version + 1}"
+        at = f"{path}/{meta['name']}"
+        if at in self.objects:
+            raise ApiError(status=409, reason="AlreadyExists", message=f"{meta['name']} already exists")
+        meta.setdefault("uid", f"uid-{self.version + 1}")
+        stamp = NOW_STAMP
+        if self.clock is not None:
+            stamp = dt.datetime.fromtimestamp(self.clock(), dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        meta.setdefault("creationTimestamp", stamp)
+        if not dry_run:
+            self.objects[at] = self._bump(obj)
+        return copy.deepcopy(obj)
+
+    async def replace(self, path: str, obj: Obj) -> Obj:
+        self._check("replace", path)
+        current = self._found(path)
+        self._precondition(current, obj.get("metadata", {}).get("resourceVersion"))
+        self.objects[path] = self._bump(copy.deepcopy(obj))
+        return copy.deepcopy(self.objects[path])
+
+    async def merge_patch(self, path: str, patch: Obj) -> Obj:
+        self._check("merge_patch", path)
+        target = path.removesuffix("/status")
+        current = self._found(target)
+        self._precondition(current, (patch.get("metadata") or {}).get("resourceVersion"))
+        if path.endswith("/status"):  # the status subresource takes only status
+            patch = {"status": patch.get("status", {})}
+        else:
+            patch = {k: v for k, v in patch.items() if k != "status"}
+        self.objects[target] = self._bump(_merge(current, patch))
+        return copy.deepcopy(self.objects[target])
+
+    async def delete(self, path: str, *, resource_version: str | None = None) -> Obj:
+        self._check("delete", path)
+        current = self._found(path)
+        self._precondition(current, resource_version)
+        del self.objects[path]
+        return {"status": "Success"}
+
+
+def _in_all_namespaces(path: str, collection: str) -> bool:
+    """A cluster-wide list (/apis/g/v/kind) also returns namespaced objects of that kind."""
+    group, _, kind = collection.rpartition("/")
+    return path.startswith(f"{group}/namespaces/") and f"/{kind}/" in path
