@@ -132,18 +132,11 @@ def answer(decision: Decision, *, uid: str, settings: WebhookSettings) -> Answer
             return Answer(
                 review=rv.patched(uid, patch), outcome=Outcome.ADMITTED, reason=reason, log_fields=fields
             )
-        case Refuse(message=message, details=details):
+        case Refuse(message=message, details=details) | Contention(message=message, details=details):
             return Answer(
                 review=_deny(uid, message, settings),
                 outcome=Outcome.REFUSED,
-                reason=Reason.NO_GPU_FITS,
-                log_fields=details,
-            )
-        case Contention(message=message, details=details):
-            return Answer(
-                review=_deny(uid, message, settings),
-                outcome=Outcome.REFUSED,
-                reason=Reason.CONTENTION,
+                reason=Reason.NO_GPU_FITS if isinstance(decision, Refuse) else Reason.CONTENTION,
                 log_fields=details,
             )
         case Errored(message=message, error_type=error_type):
