@@ -103,6 +103,7 @@ def fleet_readings(fleet: Fleet) -> list[GpuReading]:
             reserved_mib=gpu.driver_reserved_mib if fleet.report_driver_reserved else None,
         )
         for node, gpu in fleet.all_gpus()
+        if not gpu.silent
     ]
 
 
@@ -196,6 +197,14 @@ def create_app(
 
         return change(request, mutate)
 
+    async def silence(request: web.Request) -> web.Response:
+        body = await request.json()
+
+        def mutate(fleet: Fleet, uuid: str) -> None:
+            fleet.gpu(uuid)[1].silent = bool(body["silent"])
+
+        return change(request, mutate)
+
     async def replace(request: web.Request) -> web.Response:
         body = await request.json()
 
@@ -212,6 +221,7 @@ def create_app(
         app.router.add_put("/gpus/{uuid}", set_used)
         app.router.add_delete("/gpus/{uuid}", remove)
         app.router.add_post("/gpus/{uuid}/replace", replace)
+        app.router.add_put("/gpus/{uuid}/silent", silence)
     return app
 
 
@@ -236,6 +246,10 @@ class ExporterClient:
 
     def remove_gpu(self, uuid: str) -> None:
         self._call("DELETE", f"/gpus/{uuid}")
+
+    def set_silent(self, uuid: str, silent: bool) -> None:
+        """Stop (or resume) reporting one GPU's series, as an exporter whose DCGM field blinks."""
+        self._call("PUT", f"/gpus/{uuid}/silent", {"silent": silent})
 
     def replace_uuid(self, uuid: str, new_uuid: str) -> None:
         self._call("POST", f"/gpus/{uuid}/replace", {"uuid": new_uuid})

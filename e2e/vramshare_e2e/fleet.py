@@ -27,6 +27,8 @@ class FakeGpu:
     total_mib: int
     used_mib: int = 0
     driver_reserved_mib: int = 0
+    silent: bool = False
+    """Left out of the exporter's metrics while the card stays (a DCGM series that blinks out)."""
 
     @property
     def free_mib(self) -> int:

@@ -171,7 +171,7 @@ def test_orphan_reservation_expires_after_the_ttl(stack: LocalCluster) -> None:
     started = time.monotonic()
     eventually(lambda: phase_of(stack, "orphan") == "Expired", what="Expired", timeout_s=20)
     assert time.monotonic() - started >= 3  # not before its 6 s TTL (a few s already passed)
-    assert reservation(stack, "orphan")["status"]["reason"] == "NoPod"
+    assert reservation(stack, "orphan")["status"]["reason"] == "PodNeverCreated"
 
 
 def test_overuse_raises_a_condition_and_one_event_and_clears(

@@ -19,12 +19,14 @@ from vramshare.domain import (
     AllocationRequest,
     Choice,
     InvalidRequestError,
+    ReservationPhase,
     choose,
     parse_memory_request,
     refusal_message,
 )
 from vramshare.kube.ledger import CommitConflictError, Snapshot
 from vramshare.kube.objects import GpuReservation
+from vramshare.kube.resources import ANNOTATION_REINVOKED
 from vramshare_webhook import review as rv
 from vramshare_webhook.decision import (
     Admit,
@@ -33,6 +35,8 @@ from vramshare_webhook.decision import (
     Errored,
     Hide,
     Invalid,
+    Late,
+    NameTaken,
     Outcome,
     Reason,
     Refuse,
@@ -57,7 +61,56 @@ log = structlog.get_logger("vramshare.webhook")
 class Ledger(Protocol):
     async def snapshot(self, *, fresh: bool = False) -> Snapshot: ...
     async def get_reservation(self, namespace: str, name: str) -> GpuReservation | None: ...
+    async def claim_reinvocation(self, reservation: GpuReservation, *, claimant: str) -> bool: ...
+    async def pod_carries(self, namespace: str, reservation: str) -> bool: ...
     async def commit(self, *, reservation: GpuReservation, token: str) -> GpuReservation: ...
+
+
+def not_an_earlier_pass(
+    existing: GpuReservation,
+    *,
+    placement: Placement,
+    facts: PodFacts,
+    mib: int,
+    user: str,
+    now: float,
+    window_s: float,
+) -> str | None:
+    """Why the booking a pod's annotations point to is not this pod's own earlier pass (None if it is).
+
+    Everything compared is the reservation's own record, which only vramshare writes: a user who
+    copies another pod's vramshare.io/* annotations can match the placement, but not a booking that
+    is still unbound and untaken, younger than the window, made for the same pod name and size, by the
+    same user. `claim_reinvocation` then lets at most one pass take it up.
+    """
+    spec = existing.spec
+    if (spec.gpu_uuid, spec.gpu_index, spec.node_name) != (
+        placement.gpu_uuid,
+        placement.gpu_index,
+        placement.node,
+    ):
+        return "the annotations name another GPU than the reservation"
+    if spec.pod_name != facts.display_name or spec.memory_mib != mib:
+        return "the reservation was made for another pod or size"
+    if spec.admitted_user != user:
+        return "the reservation was made for another user"
+    if existing.phase is not ReservationPhase.RESERVED or existing.status.pod_uid:
+        return "the reservation already belongs to a pod"
+    if now - (existing.meta.created_at or 0.0) > window_s:
+        return f"the reservation is older than {window_s:g} s"
+    if ANNOTATION_REINVOKED in existing.meta.annotations:
+        return "the reservation was already taken up by a reinvocation"
+    return None
+
+
+def _holds_booking(snapshot: Snapshot, namespace: str, pod: str) -> bool:
+    """A pod of that name exists: a booking of it is Bound (or Lost) to it."""
+    return any(
+        r.namespace == namespace
+        and r.pod == pod
+        and r.phase in (ReservationPhase.BOUND, ReservationPhase.LOST)
+        for r in snapshot.reservations
+    )
 
 
 def _logged_name(pod: dict[str, Any]) -> str:
@@ -89,8 +142,20 @@ class Admitter:
 
     async def review(self, request: rv.Request) -> rv.Review:
         started = time.perf_counter()
+        deadline = self.settings.decision_deadline_s
         try:
-            decision = await self.decide(request)
+            # The whole answer is bounded: an admission the API server has given up on must not go
+            # on to book memory. A cancelled commit withdraws its booking (see KubeLedger.commit).
+            async with asyncio.timeout(deadline):
+                decision = await self.decide(request)
+        except TimeoutError:
+            log.warning("admission missed its deadline", uid=request.uid, deadline_s=deadline)
+            decision = Late(
+                message=(
+                    f"vramshare could not decide within {deadline:g} s (the API server is slow or the GPUs "
+                    f"are contended); nothing was reserved. {self.settings.retry_hint}"
+                )
+            )
         except Exception as exc:  # an answer, never a crash: the failurePolicy decides what follows
             log.exception("admission failed", uid=request.uid, namespace=request.namespace)
             decision = Errored(message=f"vramshare could not decide: {exc}", error_type=type(exc).__name__)
@@ -143,7 +208,7 @@ class Admitter:
         details: dict[str, Any] = {"mib": mib}
         if facts.overwritten:
             details["overwritten"] = list(facts.overwritten)
-        earlier = await self._earlier_pass(request, facts)
+        earlier = await self._earlier_pass(request, facts, mib=mib, details=details)
         if earlier is not None:
             return Admit(
                 placement=earlier,
@@ -153,14 +218,39 @@ class Admitter:
             )
         return await self._allocate(request, facts, mib=mib, details=details)
 
-    async def _earlier_pass(self, request: rv.Request, facts: PodFacts) -> Placement | None:
-        """The placement of an earlier pass of this same request, if the pod carries a genuine one."""
+    async def _earlier_pass(
+        self, request: rv.Request, facts: PodFacts, *, mib: int, details: dict[str, Any]
+    ) -> Placement | None:
+        """The placement of an earlier pass of this same pod creation, if the pod carries a genuine one.
+
+        The API server gives every call a new request UID, reinvocations included, so the earlier pass
+        is recognised by its booking (see `not_an_earlier_pass`). Anything else is not honoured: the
+        pod is decided afresh and its copied annotations are overwritten."""
         placement = facts.claimed_placement
         if placement is None:
             return None
         existing = await self.ledger.get_reservation(request.namespace, placement.reservation)
-        if existing is None or existing.spec.admission_uid != request.uid:
-            return None  # set by the user, or another request's: not honoured
+        why = (
+            "the reservation does not exist"
+            if existing is None
+            else not_an_earlier_pass(
+                existing,
+                placement=placement,
+                facts=facts,
+                mib=mib,
+                user=request.username,
+                now=self.clock(),
+                window_s=self.settings.reinvocation_window_s,
+            )
+        )
+        if why is None and existing is not None:
+            if await self.ledger.pod_carries(request.namespace, existing.name):
+                why = "a pod already carries the reservation"
+            elif not await self.ledger.claim_reinvocation(existing, claimant=request.uid):
+                why = "the reservation was already taken up by a reinvocation"
+        if why is not None:
+            details["placement_not_honoured"] = why
+            return None
         return placement
 
     async def _allocate(
@@ -169,7 +259,9 @@ class Admitter:
         alloc = AllocationRequest(
             mib=mib, namespace=request.namespace, pod=facts.display_name, nodes=facts.pinned_nodes
         )
-        deadline = time.monotonic() + self.settings.decision_deadline_s
+        # Stop retrying conflicts a little before the answer's own deadline, to say why.
+        budget = self.settings.decision_deadline_s
+        deadline = time.monotonic() + max(budget / 2, budget - 1.0)
         attempt = 0
         while True:
             attempt += 1
@@ -196,6 +288,14 @@ class Admitter:
     ) -> Decision | None:
         """Decide on a snapshot and commit; None when the chosen GPU's ledger moved meanwhile."""
         snapshot = await self.ledger.snapshot()
+        if request.name and _holds_booking(snapshot, request.namespace, request.name):
+            # Confirm on a consistent view: the pod may have ended a moment ago.
+            snapshot = await self.ledger.snapshot(fresh=True)
+            if _holds_booking(snapshot, request.namespace, request.name):
+                return NameTaken(
+                    message=f'pods "{request.name}" already exists in namespace {request.namespace} and '
+                    "holds a GPU reservation; vramshare books nothing for a pod that cannot be created"
+                )
         decision = choose(
             alloc, snapshot.gpus, snapshot.reservations, settings=self.settings.allocation, now=self.clock()
         )
@@ -231,6 +331,7 @@ class Admitter:
             mib=alloc.mib,
             gpu=gpu,
             admission_uid=request.uid,
+            user=request.username,
         )
         try:
             await self.ledger.commit(reservation=booking, token=snapshot.tokens[gpu.uuid])

@@ -41,6 +41,8 @@ class Reason(StrEnum):
     REINVOCATION = "reinvocation"
     NO_GPU_FITS = "no-gpu-fits"
     CONTENTION = "contention"
+    DEADLINE = "deadline"
+    NAME_TAKEN = "name-taken"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -90,6 +92,22 @@ class Contention:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Late:
+    """The answer's deadline passed; whatever was booked has been withdrawn."""
+
+    message: str
+    details: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True)
+class NameTaken:
+    """A pod of that name exists and holds a booking: the create would fail with AlreadyExists, and
+    booking for it would only hold memory until the booking expires."""
+
+    message: str
+
+
+@dataclass(frozen=True, kw_only=True)
 class Errored:
     """vramshare could not decide (API server away, a bug); the failurePolicy decides what follows."""
 
@@ -97,7 +115,7 @@ class Errored:
     error_type: str
 
 
-Decision = Skip | Hide | Invalid | Admit | Refuse | Contention | Errored
+Decision = Skip | Hide | Invalid | Admit | Refuse | Contention | Late | NameTaken | Errored
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -132,12 +150,24 @@ def answer(decision: Decision, *, uid: str, settings: WebhookSettings) -> Answer
             return Answer(
                 review=rv.patched(uid, patch), outcome=Outcome.ADMITTED, reason=reason, log_fields=fields
             )
-        case Refuse(message=message, details=details) | Contention(message=message, details=details):
+        case (
+            Refuse(message=message, details=details)
+            | Contention(message=message, details=details)
+            | Late(message=message, details=details)
+        ):
+            why = {Refuse: Reason.NO_GPU_FITS, Contention: Reason.CONTENTION, Late: Reason.DEADLINE}
             return Answer(
                 review=_deny(uid, message, settings),
                 outcome=Outcome.REFUSED,
-                reason=Reason.NO_GPU_FITS if isinstance(decision, Refuse) else Reason.CONTENTION,
+                reason=why[type(decision)],
                 log_fields=details,
+            )
+        case NameTaken(message=message):
+            return Answer(
+                review=rv.denied(uid, message, code=409, reason="AlreadyExists"),
+                outcome=Outcome.INVALID,
+                reason=Reason.NAME_TAKEN,
+                log_fields={"message": message},
             )
         case Errored(message=message, error_type=error_type):
             return Answer(

@@ -192,9 +192,12 @@ def _affinity_on(spec: Obj, node: str) -> Obj:
     terms = [t for t in required.get("nodeSelectorTerms") or [] if isinstance(t, dict)]
     if not terms:
         terms = [{}]
-    # Terms are ORed, expressions inside a term ANDed: the GPU's node must hold in every term.
+    # Terms are ORed, expressions inside a term ANDed: the GPU's node must hold in every term. A term
+    # that already has it (a reinvocation sees the first pass's patch) is left as it is.
     for term in terms:
-        term["matchExpressions"] = [*(term.get("matchExpressions") or []), ours]
+        expressions = term.get("matchExpressions") or []
+        if ours not in expressions:
+            term["matchExpressions"] = [*expressions, ours]
     required["nodeSelectorTerms"] = terms
     return affinity
 

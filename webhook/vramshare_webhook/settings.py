@@ -42,7 +42,11 @@ class WebhookSettings:
     """Reuse a view of the inventory and ledger for this long, with this process's own commits applied
     (a conflict drops it); longer is faster under bursts, but sees released memory later."""
     decision_deadline_s: float = 8.0
-    """Give up retrying conflicts after this long; keep it below the webhook's timeoutSeconds."""
+    """The whole answer's deadline: past it the webhook refuses and withdraws whatever it booked, so
+    nothing stays booked for a request the API server gave up on. Keep it below timeoutSeconds."""
+    reinvocation_window_s: float = 30.0
+    """A reinvocation (a later webhook changed the pod) keeps the first pass's booking only while that
+    booking is younger than this, unbound and untaken; keep it at least timeoutSeconds."""
     host: str = "0.0.0.0"
     port: int = 8443
     tls_mode: TlsMode = TlsMode.FILES
@@ -78,6 +82,8 @@ class WebhookSettings:
         check_accounting(self.accounting)
         if not 0 < self.decision_deadline_s <= 29:
             raise invalid("decision_deadline_s", self.decision_deadline_s, "seconds between 0 and 29")
+        if self.reinvocation_window_s <= 0:
+            raise invalid("reinvocation_window_s", self.reinvocation_window_s, "a positive number of seconds")
         if self.tls_mode is TlsMode.FILES and not (self.tls_cert_file and self.tls_key_file):
             raise invalid(
                 "tls_cert_file",

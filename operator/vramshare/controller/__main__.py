@@ -21,7 +21,7 @@ from vramshare.controller.metrics import ControllerMetrics
 from vramshare.controller.reservations import ReservationReconciler
 from vramshare.controller.settings import ControllerSettings
 from vramshare.kube.client import Connection, KubeClient
-from vramshare.kube.resources import LABEL_RESERVATION
+from vramshare.kube.resources import GROUP, LABEL_ACTIVE, LABEL_RESERVATION, RESERVATIONS, VERSION
 from vramshare.prometheus import DcgmSource
 from vramshare.settings import SettingsError
 
@@ -46,6 +46,13 @@ def kopf_registry(inventory: InventoryLoop, reconciler: ReservationReconciler) -
         await reconciler.pod_changed(
             dict(event["body"]), deleted=event["type"] == "DELETED", presence=inventory.presence
         )
+
+    # Every active reservation, so that a booking whose pod never appears is looked at again the
+    # moment its TTL runs out (not at the next sweep).
+    @kopf.on.event(GROUP, VERSION, RESERVATIONS, labels={LABEL_ACTIVE: "true"}, registry=registry)
+    def reservation_changed(**event: Any) -> None:
+        if event["type"] != "DELETED":
+            reconciler.reservation_seen(dict(event["body"]), presence=lambda: inventory.presence)
 
     return registry
 
@@ -73,7 +80,7 @@ async def run(settings: ControllerSettings) -> None:
             try:
                 await lead(
                     InventoryLoop(kube=kube, source=source, settings=settings, metrics=metrics),
-                    ReservationReconciler(kube=kube, settings=settings),
+                    ReservationReconciler(kube=kube, settings=settings, metrics=metrics),
                     elector,
                 )
             except LeadershipLostError as exc:

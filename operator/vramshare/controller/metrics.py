@@ -50,6 +50,17 @@ class ControllerMetrics:
             "Failed readings of DCGM metrics from Prometheus.",
             registry=self.registry,
         )
+        self.impostor_pods = Counter(
+            "vramshare_impostor_pods",
+            "Pods seen carrying a reservation's label without being its pod (ignored, with an event).",
+            registry=self.registry,
+        )
+        self.transitions = Counter(
+            "vramshare_reservation_transitions",
+            "Reservation phase changes by the reason (PodBound, PodNeverCreated, GpuMissing, ...).",
+            ["phase", "reason"],
+            registry=self.registry,
+        )
         self.leader = Gauge(
             "vramshare_controller_leader", "1 while this replica holds the lease.", registry=self.registry
         )

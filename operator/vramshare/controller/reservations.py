@@ -15,46 +15,52 @@ from dataclasses import dataclass, replace
 
 import structlog
 
+from vramshare.controller.metrics import ControllerMetrics
 from vramshare.controller.settings import ControllerSettings
-from vramshare.domain import PodState, ReservationPhase, Transition, due_for_cleanup, next_phase
+from vramshare.domain import (
+    PodSighting,
+    PodState,
+    ReservationPhase,
+    Transition,
+    due_for_cleanup,
+    genuine_pod,
+    next_phase,
+)
 from vramshare.domain.inventory import GpuPresence
+from vramshare.domain.lifecycle import belongs
 from vramshare.kube.client import ApiError, KubeClient, Obj
 from vramshare.kube.events import Event, Involved, post_event
 from vramshare.kube.objects import GpuReservation, OwnerRef, ReservationStatus
-from vramshare.kube.resources import LABEL_ACTIVE, LABEL_RESERVATION, parse_time, reservations_path
+from vramshare.kube.resources import (
+    ANNOTATION_GPU_UUID,
+    API_VERSION,
+    LABEL_ACTIVE,
+    LABEL_RESERVATION,
+    parse_time,
+    reservations_path,
+)
 
 log = structlog.get_logger("vramshare.controller")
 
 
-@dataclass(frozen=True, kw_only=True)
-class PodInfo:
-    """What the lifecycle needs of a pod."""
-
-    name: str
-    uid: str
-    phase: str
-    running_since: float | None
-
-    @property
-    def state(self) -> PodState:
-        return PodState.FINISHED if self.phase in ("Succeeded", "Failed") else PodState.ACTIVE
-
-    @classmethod
-    def from_pod(cls, pod: Obj) -> PodInfo:
-        status = pod.get("status") or {}
-        starts = []
-        for c in status.get("containerStatuses") or []:
-            state = c.get("state") or {}
-            started = (state.get("running") or state.get("terminated") or {}).get("startedAt")
-            if started:
-                starts.append(parse_time(started))
-        running = min((s for s in starts if s is not None), default=None)
-        return cls(
-            name=pod["metadata"]["name"],
-            uid=pod["metadata"]["uid"],
-            phase=str(status.get("phase") or "Pending"),
-            running_since=running,
-        )
+def pod_sighting(pod: Obj) -> PodSighting:
+    """What the lifecycle needs of a pod carrying a reservation's label."""
+    meta, status = pod["metadata"], pod.get("status") or {}
+    starts = []
+    for c in status.get("containerStatuses") or []:
+        state = c.get("state") or {}
+        started = (state.get("running") or state.get("terminated") or {}).get("startedAt")
+        if started:
+            starts.append(parse_time(started))
+    phase = str(status.get("phase") or "Pending")
+    return PodSighting(
+        name=meta["name"],
+        uid=meta["uid"],
+        created_at=parse_time(meta.get("creationTimestamp")) or 0.0,
+        state=PodState.FINISHED if phase in ("Succeeded", "Failed") else PodState.ACTIVE,
+        running_since=min((s for s in starts if s is not None), default=None),
+        gpu_uuid=(meta.get("annotations") or {}).get(ANNOTATION_GPU_UUID),
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,35 +68,52 @@ class Plan:
     status: ReservationStatus | None = None
     """The status to write; None when it stays as it is."""
     transition: Transition | None = None
-    owner: PodInfo | None = None
+    owner: PodSighting | None = None
     event: Event | None = None
+    event_on_reservation: bool = False
+    """Post the event on the GpuReservation (its pod never appeared) instead of the pod."""
     delete: bool = False
-    deactivate: bool = False
-    """Label the reservation inactive: it has ended, and the webhook's LIST should skip it."""
+    active_label: str | None = None
+    """The vramshare.io/active label to write ("false" once ended, so the webhook's LIST skips it;
+    "true" again for a booking that counts again); None to leave it."""
 
     @property
     def empty(self) -> bool:
-        return not (self.status or self.owner or self.event or self.delete or self.deactivate)
+        return not (self.status or self.owner or self.event or self.delete or self.active_label)
 
 
 def _event(res: GpuReservation, transition: Transition) -> Event | None:
     spec = res.spec
-    match transition.phase:
-        case ReservationPhase.BOUND:
+    gpu = f"{spec.gpu_uuid} ({spec.node_name}, index {spec.gpu_index})"
+    match transition.reason:
+        case "PodBound":
             return Event(
-                type="Normal",
-                reason="GpuReserved",
-                message=f"Reserved {spec.memory_mib} MiB on {spec.gpu_uuid} "
-                f"({spec.node_name}, index {spec.gpu_index})",
+                type="Normal", reason="GpuReserved", message=f"Reserved {spec.memory_mib} MiB on {gpu}"
             )
-        case ReservationPhase.LOST:
+        case "GpuMissing":
             return Event(
                 type="Warning",
                 reason="GpuLost",
-                message=f"GPU {spec.gpu_uuid} ({spec.node_name}) is no longer reported by DCGM; "
-                f"its reservation of {spec.memory_mib} MiB is Lost",
+                message=f"GPU {gpu} is no longer reported by DCGM; the reservation of {spec.memory_mib} MiB "
+                "is kept while the pod runs and counts again when the GPU returns",
             )
-        case ReservationPhase.RELEASED:
+        case "GpuReturned":
+            return Event(type="Normal", reason="GpuReturned", message=f"GPU {gpu} is reported by DCGM again")
+        case "PodAppearedLate":
+            return Event(
+                type="Warning",
+                reason="GpuReservedLate",
+                message=f"The pod appeared after its reservation of {spec.memory_mib} MiB on {gpu} had "
+                "expired; the reservation counts again (check the GPU for overuse)",
+            )
+        case "PodNeverCreated":
+            return Event(
+                type="Warning",
+                reason="PodNeverCreated",
+                message=f"No pod {res.namespace}/{spec.pod_name} appeared for this reservation of "
+                f"{spec.memory_mib} MiB on {gpu}: {transition.message}; the memory is free again",
+            )
+        case "PodFinished" | "PodDeleted":
             return Event(
                 type="Normal",
                 reason="GpuReleased",
@@ -103,7 +126,7 @@ def _event(res: GpuReservation, transition: Transition) -> Event | None:
 def plan(
     *,
     res: GpuReservation,
-    pod: PodInfo | None,
+    pod: PodSighting | None,
     gpu_missing: bool,
     now: float,
     ttl_s: float,
@@ -114,14 +137,6 @@ def plan(
     if current.phase is None:
         status = replace(status, phase=res.phase)  # make the implicit Reserved visible to kubectl
     owner = None
-    active = res.phase.is_active
-    if pod is not None and active:
-        if current.pod_uid != pod.uid:
-            status = replace(status, pod_uid=pod.uid)
-        if pod.running_since is not None and current.pod_running_since is None:
-            status = replace(status, pod_running_since=pod.running_since)
-        if not any(o.uid == pod.uid for o in res.meta.owners):
-            owner = pod
     transition = next_phase(
         phase=res.phase,
         pod=pod.state if pod is not None else PodState.ABSENT,
@@ -129,45 +144,76 @@ def plan(
         age_s=now - (res.meta.created_at or 0.0),
         ttl_s=ttl_s,
     )
-    event = None
+    active_after = transition.phase.is_active if transition is not None else res.phase.is_active
+    if pod is not None and active_after:
+        if current.pod_uid != pod.uid:
+            status = replace(status, pod_uid=pod.uid)
+        if pod.running_since is not None and current.pod_running_since is None:
+            status = replace(status, pod_running_since=pod.running_since)
+        if not any(o.uid == pod.uid for o in res.meta.owners):
+            owner = pod
+    event, on_reservation = None, False
     if transition is not None:
         status = replace(status, phase=transition.phase, reason=transition.reason, message=transition.message)
-        if transition.phase is not ReservationPhase.BOUND:
-            status = replace(status, finished_at=now)
-        event = _event(res, transition) if pod is not None else None  # no pod to tell
+        status = replace(status, finished_at=None if transition.phase.is_active else now)
+        event = _event(res, transition)
+        on_reservation = transition.reason == "PodNeverCreated"
+        if pod is None and not on_reservation:
+            event = None  # no pod to tell
     delete = False
-    if transition is None and not active:
+    if transition is None and not active_after:
         finished = current.finished_at if current.finished_at is not None else (res.meta.created_at or 0.0)
         delete = due_for_cleanup(phase=res.phase, finished_age_s=now - finished, retention_s=retention_s)
-    ended = (transition is not None and not transition.phase.is_active) or not active
+    label = None
+    if not active_after and res.labelled_active and not delete:
+        label = "false"
+    elif active_after and not res.labelled_active:
+        label = "true"
     return Plan(
         status=status if status != current else None,
         transition=transition,
         owner=owner,
         event=event,
+        event_on_reservation=on_reservation,
         delete=delete,
-        deactivate=ended and res.labelled_active and not delete,
+        active_label=label,
     )
 
 
 class ReservationReconciler:
-    """Applies the lifecycle to reservations: all of them on a sweep, one on a pod event."""
+    """Applies the lifecycle to reservations: all of them on a sweep, one on a pod event, and each new
+    booking again the moment its pod should have appeared (`reservation_seen`)."""
 
     def __init__(
-        self, *, kube: KubeClient, settings: ControllerSettings, clock: Callable[[], float] = time.time
+        self,
+        *,
+        kube: KubeClient,
+        settings: ControllerSettings,
+        metrics: ControllerMetrics,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.kube = kube
         self.settings = settings
+        self.metrics = metrics
         self.clock = clock
+        self._deadlines: dict[tuple[str, str], asyncio.TimerHandle] = {}
+        self._checks: set[asyncio.Task[None]] = set()
+        self._announced: set[tuple[str, str]] = set()
+        """(reservation, impostor pod UID) pairs already reported, so each gets one event."""
 
     async def run(self, *, presence: Callable[[], GpuPresence]) -> None:
         """Sweep every lifecycle interval, with the inventory's latest word on which GPUs are gone."""
-        while True:
-            try:
-                await self.sweep(presence=presence())
-            except Exception as exc:
-                log.warning("reservation sweep failed", error=str(exc))
-            await asyncio.sleep(self.settings.lifecycle_interval_s)
+        try:
+            while True:
+                try:
+                    await self.sweep(presence=presence())
+                except Exception as exc:
+                    log.warning("reservation sweep failed", error=str(exc))
+                await asyncio.sleep(self.settings.lifecycle_interval_s)
+        finally:
+            for handle in self._deadlines.values():
+                handle.cancel()
+            self._deadlines.clear()
 
     async def sweep(self, *, presence: GpuPresence) -> int:
         """Check every reservation against its pod; returns how many changed."""
@@ -175,15 +221,15 @@ class ReservationReconciler:
         # below has it unless it is really gone.
         reservations = (await self.kube.list(reservations_path())).get("items", [])
         pods = (await self.kube.list("/api/v1/pods", label_selector=LABEL_RESERVATION)).get("items", [])
-        by_reservation = {
-            (p["metadata"]["namespace"], p["metadata"]["labels"][LABEL_RESERVATION]): p for p in pods
-        }
+        by_reservation: dict[tuple[str, str], list[Obj]] = {}
+        for p in pods:
+            key = (p["metadata"]["namespace"], p["metadata"]["labels"][LABEL_RESERVATION])
+            by_reservation.setdefault(key, []).append(p)
         changed = 0
         for obj in reservations:
             res = GpuReservation.from_wire(obj)
-            pod = by_reservation.get((res.namespace, res.name))
-            info = PodInfo.from_pod(pod) if pod is not None else None
-            if await self.reconcile(res, info, presence=presence):
+            labelled = by_reservation.get((res.namespace, res.name), [])
+            if await self.reconcile(res, labelled, presence=presence):
                 changed += 1
         return changed
 
@@ -193,17 +239,64 @@ class ReservationReconciler:
         name = (meta.get("labels") or {}).get(LABEL_RESERVATION)
         if not name:
             return
+        res = await self._get(meta["namespace"], name)
+        if res is None or not meta.get("uid"):
+            return
+        sighting = pod_sighting(pod)
+        if not belongs(res.to_domain(), sighting, bound_uid=res.status.pod_uid):
+            if not deleted:
+                await self._announce_impostor(res, sighting, now=self.clock())
+            return  # another pod's event says nothing about this reservation's own pod
+        await self.reconcile(res, [] if deleted else [pod], presence=presence)
+
+    def reservation_seen(self, obj: Obj, *, presence: Callable[[], GpuPresence]) -> None:
+        """A reservation was created or changed: while it waits for its pod, look again at its TTL, so
+        a booking whose pod never appears stops counting on time, not at the next sweep."""
+        res = GpuReservation.from_wire(obj)
+        key = (res.namespace, res.name)
+        waiting = res.phase is ReservationPhase.RESERVED and not res.status.pod_uid
+        if not waiting or key in self._deadlines:
+            if not waiting and key in self._deadlines:
+                self._deadlines.pop(key).cancel()
+            return
+        delay = max(0.0, (res.meta.created_at or 0.0) + self.settings.reservation_ttl_s - self.clock()) + 0.5
+        loop = asyncio.get_running_loop()
+
+        def due() -> None:
+            self._deadlines.pop(key, None)
+            task = loop.create_task(self._look_again(key, presence()))
+            self._checks.add(task)
+            task.add_done_callback(self._checks.discard)
+
+        self._deadlines[key] = loop.call_later(delay, due)
+
+    async def _look_again(self, key: tuple[str, str], presence: GpuPresence) -> None:
         try:
-            obj = await self.kube.get(reservations_path(meta["namespace"], name))
+            res = await self._get(*key)
+            if res is None:
+                return
+            pods = await self.kube.list(
+                f"/api/v1/namespaces/{key[0]}/pods", label_selector=f"{LABEL_RESERVATION}={key[1]}"
+            )
+            await self.reconcile(res, pods.get("items", []), presence=presence)
+        except Exception as exc:  # the sweep catches it later
+            log.warning("reservation check failed", reservation=f"{key[0]}/{key[1]}", error=str(exc))
+
+    async def _get(self, namespace: str, name: str) -> GpuReservation | None:
+        try:
+            return GpuReservation.from_wire(await self.kube.get(reservations_path(namespace, name)))
         except ApiError as exc:
             if exc.not_found:
-                return
+                return None
             raise
-        info = None if deleted else PodInfo.from_pod(pod)
-        await self.reconcile(GpuReservation.from_wire(obj), info, presence=presence)
 
-    async def reconcile(self, res: GpuReservation, pod: PodInfo | None, *, presence: GpuPresence) -> bool:
+    async def reconcile(self, res: GpuReservation, labelled: list[Obj], *, presence: GpuPresence) -> bool:
+        """Move `res` on, given the pods that carry its label (its own, and any impostors)."""
         now = self.clock()
+        sightings = [pod_sighting(p) for p in labelled if p["metadata"].get("uid")]
+        pod, impostors = genuine_pod(res.to_domain(), sightings, bound_uid=res.status.pod_uid)
+        for impostor in impostors:
+            await self._announce_impostor(res, impostor, now=now)
         the_plan = plan(
             res=res,
             pod=pod,
@@ -215,6 +308,8 @@ class ReservationReconciler:
         if the_plan.empty:
             return False
         await self._apply(res, pod=pod, the_plan=the_plan, now=now)
+        if the_plan.transition is not None:
+            self.metrics.transitions.labels(the_plan.transition.phase.value, the_plan.transition.reason).inc()
         if the_plan.transition is not None or the_plan.delete:
             log.info(
                 "reservation",
@@ -227,7 +322,34 @@ class ReservationReconciler:
             )
         return True
 
-    async def _apply(self, res: GpuReservation, *, pod: PodInfo | None, the_plan: Plan, now: float) -> None:
+    async def _announce_impostor(self, res: GpuReservation, impostor: PodSighting, *, now: float) -> None:
+        key = (res.key, impostor.uid)
+        if key in self._announced:
+            return
+        self._announced.add(key)
+        uid = res.status.pod_uid
+        owner = f"the pod with UID {uid}" if uid else f"pod {res.spec.pod_name}"
+        message = (
+            f"Pod {impostor.name} carries label {LABEL_RESERVATION}={res.name}, but that reservation of "
+            f"{res.spec.memory_mib} MiB on {res.spec.gpu_uuid} belongs to {owner}; the label is ignored and "
+            "this pod has no GPU memory booked"
+        )
+        log.warning("impostor pod ignored", reservation=res.key, pod=impostor.name)
+        self.metrics.impostor_pods.inc()
+        await post_event(
+            self.kube,
+            namespace=res.namespace,
+            involved=Involved(
+                api_version="v1", kind="Pod", name=impostor.name, uid=impostor.uid, namespace=res.namespace
+            ),
+            event=Event(type="Warning", reason="ReservationNotYours", message=message),
+            now=now,
+            reporter=self.settings.identity,
+        )
+
+    async def _apply(
+        self, res: GpuReservation, *, pod: PodSighting | None, the_plan: Plan, now: float
+    ) -> None:
         """Carry out a plan made from `res`; nothing happens if `res` changed meanwhile (a pod event and
         a sweep may plan the same change: the precondition lets exactly one of them act and post the
         event)."""
@@ -247,27 +369,48 @@ class ReservationReconciler:
                 )
                 version = patched["metadata"]["resourceVersion"]
             if the_plan.status is not None:
+                before, after = res.status.to_wire(), the_plan.status.to_wire()
+                cleared = {k: None for k in before if k not in after}  # a merge patch removes with null
                 patched = await self.kube.merge_patch(
                     f"{path}/status",
-                    {"metadata": {"resourceVersion": version}, "status": the_plan.status.to_wire()},
+                    {"metadata": {"resourceVersion": version}, "status": {**after, **cleared}},
                 )
                 version = patched["metadata"]["resourceVersion"]
-            if the_plan.deactivate:
+            if the_plan.active_label is not None:
                 await self.kube.merge_patch(
-                    path, {"metadata": {"resourceVersion": version, "labels": {LABEL_ACTIVE: "false"}}}
+                    path,
+                    {
+                        "metadata": {
+                            "resourceVersion": version,
+                            "labels": {LABEL_ACTIVE: the_plan.active_label},
+                        }
+                    },
                 )
         except ApiError as exc:
             if exc.not_found or exc.conflict:  # deleted or changed meanwhile: the next look decides again
                 return
             raise
-        if the_plan.event is not None and pod is not None:
-            await post_event(
-                self.kube,
+        if the_plan.event is None:
+            return
+        if the_plan.event_on_reservation:
+            involved = Involved(
+                api_version=API_VERSION,
+                kind="GpuReservation",
+                name=res.name,
+                uid=res.meta.uid,
                 namespace=res.namespace,
-                involved=Involved(
-                    api_version="v1", kind="Pod", name=pod.name, uid=pod.uid, namespace=res.namespace
-                ),
-                event=the_plan.event,
-                now=now,
-                reporter=self.settings.identity,
             )
+        elif pod is not None:
+            involved = Involved(
+                api_version="v1", kind="Pod", name=pod.name, uid=pod.uid, namespace=res.namespace
+            )
+        else:
+            return
+        await post_event(
+            self.kube,
+            namespace=res.namespace,
+            involved=involved,
+            event=the_plan.event,
+            now=now,
+            reporter=self.settings.identity,
+        )

@@ -23,8 +23,10 @@ class ControllerSettings:
     accounting: Accounting = field(default_factory=Accounting)
     """Shared with the webhook: VRAMSHARE_SAFETY_MARGIN_MIB, _SETTLE_S, _MAX_SAMPLE_AGE_S, _STALE_MODE."""
     missing_grace_s: float = 60.0
-    reservation_ttl_s: float = 300.0
-    """A Reserved reservation whose pod has not appeared by then expires."""
+    reservation_ttl_s: float = 20.0
+    """A Reserved reservation whose pod has not appeared by then expires: the pod was rejected after
+    vramshare admitted it. Keep it above the webhooks' timeouts; a pod that appears later still gets
+    its booking back."""
     retention_s: float = 3600.0
     """Released, Expired and Lost reservations are deleted this long after they ended."""
     lifecycle_interval_s: float = 10.0

@@ -15,7 +15,14 @@ from vramshare.domain.allocation import (
     choose,
 )
 from vramshare.domain.headroom import Headroom, headroom, is_unseen
-from vramshare.domain.lifecycle import PodState, Transition, due_for_cleanup, next_phase
+from vramshare.domain.lifecycle import (
+    PodSighting,
+    PodState,
+    Transition,
+    due_for_cleanup,
+    genuine_pod,
+    next_phase,
+)
 from vramshare.domain.messages import describe_verdict, refusal_message
 from vramshare.domain.models import AllocationRequest, Gpu, Reservation, ReservationPhase
 from vramshare.domain.request import (
@@ -37,6 +44,7 @@ __all__ = [
     "GpuVerdict",
     "Headroom",
     "InvalidRequestError",
+    "PodSighting",
     "PodState",
     "Policy",
     "Refusal",
@@ -47,6 +55,7 @@ __all__ = [
     "choose",
     "describe_verdict",
     "due_for_cleanup",
+    "genuine_pod",
     "headroom",
     "is_unseen",
     "next_phase",

@@ -1,18 +1,27 @@
-"""The reservation lifecycle as one pure transition function.
+"""The reservation lifecycle as one pure transition function, and which pod a reservation belongs to.
 
-    Reserved --pod exists--> Bound --pod finished or deleted--> Released
-    Reserved --no pod within the TTL--> Expired
-    Reserved/Bound --GPU missing--> Lost
+    Reserved --its pod exists--> Bound --its pod finished or was deleted--> Released
+    Reserved --no pod within the TTL--> Expired --its pod appears after all--> Bound
+    Bound --its GPU is missing--> Lost --the GPU is back--> Bound
+    Lost --its pod finished or was deleted--> Released
 
-Released, Expired and Lost are terminal; the controller deletes them after a retention period.
+Reserved, Bound and Lost hold memory. A GPU whose metrics blink (its DCGM series missing for a while)
+must not lose the bookings of pods that still run on it: Lost keeps counting, so when the GPU returns
+its memory is still booked and no new pod is admitted into it. Expired is the fate of a booking whose
+pod never appeared (rejected after vramshare admitted it: a quota, a policy, a name already taken, or
+the API server giving up on the request); the TTL is short, so such bookings stop counting quickly. If
+the pod does appear late, the booking counts again rather than leave a running pod unbooked.
+
+Released and Expired are ended; the controller deletes them after a retention period.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import StrEnum
 
-from vramshare.domain.models import ReservationPhase
+from vramshare.domain.models import Reservation, ReservationPhase
 
 
 class PodState(StrEnum):
@@ -44,14 +53,16 @@ def next_phase(
     `age_s` is the time since the reservation was committed; `ttl_s` how long a Reserved reservation
     may wait for its pod.
     """
+    if phase is ReservationPhase.EXPIRED:
+        if pod is PodState.ACTIVE:
+            return Transition(
+                phase=ReservationPhase.BOUND,
+                reason="PodAppearedLate",
+                message=f"its pod appeared more than {ttl_s:g} s after admission; the booking counts again",
+            )
+        return None
     if not phase.is_active:
         return None
-    if gpu_missing:
-        return Transition(
-            phase=ReservationPhase.LOST,
-            reason="GpuMissing",
-            message="its GPU is no longer reported by DCGM (removed, replaced or its node is gone)",
-        )
     if pod is PodState.FINISHED:
         return Transition(phase=ReservationPhase.RELEASED, reason="PodFinished", message="its pod finished")
     if phase is ReservationPhase.RESERVED:
@@ -60,15 +71,64 @@ def next_phase(
         if age_s >= ttl_s:
             return Transition(
                 phase=ReservationPhase.EXPIRED,
-                reason="NoPod",
-                message=f"no pod appeared within {ttl_s:g} s of admission",
+                reason="PodNeverCreated",
+                message=f"no pod appeared within {ttl_s:g} s of admission (rejected after vramshare "
+                "admitted it: a quota, a policy, a name already taken, or the API server gave up)",
             )
         return None
     if pod is PodState.ABSENT:
         return Transition(phase=ReservationPhase.RELEASED, reason="PodDeleted", message="its pod was deleted")
+    if phase is ReservationPhase.BOUND and gpu_missing:
+        return Transition(
+            phase=ReservationPhase.LOST,
+            reason="GpuMissing",
+            message="its GPU is no longer reported by DCGM; the booking is kept while its pod runs",
+        )
+    if phase is ReservationPhase.LOST and not gpu_missing:
+        return Transition(
+            phase=ReservationPhase.BOUND, reason="GpuReturned", message="its GPU is reported by DCGM again"
+        )
     return None
 
 
 def due_for_cleanup(*, phase: ReservationPhase, finished_age_s: float, retention_s: float) -> bool:
-    """True when a terminal reservation has been kept long enough for people to inspect it."""
+    """True when an ended reservation has been kept long enough for people to inspect it."""
     return not phase.is_active and finished_age_s >= retention_s
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PodSighting:
+    """A pod that carries a reservation's label, as the controller sees it."""
+
+    name: str
+    uid: str
+    created_at: float
+    state: PodState
+    running_since: float | None
+    gpu_uuid: str | None
+    """The GPU the pod's vramshare.io/gpu-uuid annotation names (vramshare's patch sets it)."""
+
+
+def belongs(reservation: Reservation, pod: PodSighting, *, bound_uid: str | None) -> bool:
+    """Whether `pod` is the pod `reservation` was made for.
+
+    Once bound, only the pod with the recorded UID. Before, a pod whose name is the one admitted (or
+    starts with its generateName prefix), whose placement names the reservation's GPU and which was
+    created no earlier than the reservation: a pod made by hand with a copied label fails at least the
+    last test for every reservation that already existed when it was made.
+    """
+    if bound_uid:
+        return pod.uid == bound_uid
+    admitted = reservation.pod
+    named = pod.name.startswith(admitted[:-1]) if admitted.endswith("*") else pod.name == admitted
+    return named and pod.gpu_uuid == reservation.gpu_uuid and pod.created_at >= reservation.reserved_at
+
+
+def genuine_pod(
+    reservation: Reservation, pods: Iterable[PodSighting], *, bound_uid: str | None
+) -> tuple[PodSighting | None, list[PodSighting]]:
+    """The pod `reservation` belongs to (the earliest that qualifies), and the impostors: pods that
+    carry its label but are not its pod."""
+    candidates = sorted(pods, key=lambda p: (p.created_at, p.name))
+    genuine = next((p for p in candidates if belongs(reservation, p, bound_uid=bound_uid)), None)
+    return genuine, [p for p in candidates if p is not genuine]

@@ -17,12 +17,12 @@ class ReservationPhase(StrEnum):
     BOUND = "Bound"  # its pod exists
     RELEASED = "Released"  # its pod finished or was deleted
     EXPIRED = "Expired"  # no pod appeared within the TTL
-    LOST = "Lost"  # its GPU disappeared from the inventory
+    LOST = "Lost"  # its GPU is missing from the inventory while its pod still runs: still booked
 
     @property
     def is_active(self) -> bool:
         """An active reservation holds memory on its GPU."""
-        return self in (ReservationPhase.RESERVED, ReservationPhase.BOUND)
+        return self in (ReservationPhase.RESERVED, ReservationPhase.BOUND, ReservationPhase.LOST)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

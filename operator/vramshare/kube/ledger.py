@@ -16,6 +16,11 @@ Any commit on a GPU between our steps 1 and 4 moves its token, so two admissions
 succeed on a view that misses the other. A reservation left behind by a crash between steps 4 and 5
 has no pod and expires after the TTL; it can only make the GPU look fuller, never overbooked.
 
+The webhook bounds its whole answer by a deadline below the API server's timeout. A commit cancelled
+by that deadline anywhere after its create withdraws the reservation (bounded by a few seconds), so
+an admission the API server gave up on leaves no booking behind; one that cannot be withdrawn (the
+API server is what made us late) expires with the controller's short TTL, as Expired/PodNeverCreated.
+
 A snapshot is reused for up to `max_age_s`, with this process's own commits applied to it (the new
 reservation, and the token the bump returned). That is safe for the same reason: a GPU whose token
 still matches has seen no commit and no new sample since; any other change turns into a conflict,
@@ -24,6 +29,7 @@ which drops the cached snapshot. Reuse only delays seeing memory that was releas
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,14 +41,18 @@ from vramshare.kube.client import ApiError, KubeClient
 from vramshare.kube.objects import GpuDevice, GpuReservation
 from vramshare.kube.resources import (
     ANNOTATION_LEDGER,
+    ANNOTATION_REINVOKED,
     LABEL_ACTIVE,
     LABEL_COMMITTED,
+    LABEL_RESERVATION,
     device_name,
     devices_path,
     reservations_path,
 )
 
 log = structlog.get_logger("vramshare.ledger")
+
+WITHDRAW_TIMEOUT_S = 3.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -110,6 +120,35 @@ class KubeLedger:
                 return None
             raise
 
+    async def claim_reinvocation(self, reservation: GpuReservation, *, claimant: str) -> bool:
+        """Mark `reservation` as taken up by a reinvocation of its admission; False when another pass
+        already did (the API server reinvokes a webhook at most once, so a second claim is a copy) or
+        the reservation changed meanwhile."""
+        if ANNOTATION_REINVOKED in reservation.meta.annotations:
+            return False
+        try:
+            await self.kube.merge_patch(
+                reservations_path(reservation.namespace, reservation.name),
+                {
+                    "metadata": {
+                        "resourceVersion": reservation.meta.resource_version,
+                        "annotations": {ANNOTATION_REINVOKED: claimant},
+                    }
+                },
+            )
+        except ApiError as exc:
+            if exc.conflict or exc.not_found:
+                return False
+            raise
+        return True
+
+    async def pod_carries(self, namespace: str, reservation: str) -> bool:
+        """Whether any pod already carries the reservation's label (a consistent read)."""
+        pods = await self.kube.list(
+            f"/api/v1/namespaces/{namespace}/pods", label_selector=f"{LABEL_RESERVATION}={reservation}"
+        )
+        return bool(pods.get("items"))
+
     async def commit(self, *, reservation: GpuReservation, token: str) -> GpuReservation:
         """Create `reservation` and bump its GPU's token; `CommitConflictError` when it moved."""
         gpu_uuid = reservation.spec.gpu_uuid
@@ -121,6 +160,13 @@ class KubeLedger:
                 devices_path(device_name(gpu_uuid)),
                 {"metadata": {"resourceVersion": token, "annotations": {ANNOTATION_LEDGER: created.key}}},
             )
+            try:
+                await self.kube.merge_patch(
+                    reservations_path(created.namespace, created.name),
+                    {"metadata": {"labels": {LABEL_COMMITTED: "true"}}},
+                )
+            except ApiError as exc:  # the booking stands either way; only its label lags
+                log.warning("reservation committed but not labelled", reservation=created.key, error=str(exc))
         except ApiError as exc:
             self._cached = None
             await self._withdraw(created)
@@ -128,16 +174,11 @@ class KubeLedger:
                 raise CommitConflictError(f"GPU {gpu_uuid} changed while deciding") from exc
             raise
         except BaseException:
+            # Cancelled (the answer's deadline passed) or failed anywhere before the admission is
+            # answered: nobody will be told of this booking, so it must not stand.
             self._cached = None
             await self._withdraw(created)
             raise
-        try:
-            await self.kube.merge_patch(
-                reservations_path(created.namespace, created.name),
-                {"metadata": {"labels": {LABEL_COMMITTED: "true"}}},
-            )
-        except ApiError as exc:  # the booking stands either way; only its label lags
-            log.warning("reservation committed but not labelled", reservation=created.key, error=str(exc))
         if self._cached is not None:  # our own commit, applied to the snapshot we keep
             cached = self._cached
             self._cached = Snapshot(
@@ -148,8 +189,14 @@ class KubeLedger:
         return created
 
     async def _withdraw(self, created: GpuReservation) -> None:
+        """Delete a booking nobody will use, within a few seconds; one that cannot be deleted (the API
+        server is what made us late) expires with the reservation TTL instead."""
         try:
-            await self.kube.delete(reservations_path(created.namespace, created.name))
+            await asyncio.wait_for(
+                self.kube.delete(reservations_path(created.namespace, created.name)), WITHDRAW_TIMEOUT_S
+            )
         except ApiError as exc:
             if not exc.not_found:
-                raise
+                log.warning("booking not withdrawn; it expires", reservation=created.key, error=str(exc))
+        except (TimeoutError, OSError) as exc:
+            log.warning("booking not withdrawn; it expires", reservation=created.key, error=repr(exc))

@@ -105,6 +105,7 @@ class ReservationSpec:
     gpu_uuid: str
     gpu_index: int
     admission_uid: str = ""
+    admitted_user: str = ""
 
     @classmethod
     def from_wire(cls, obj: Obj) -> Self:
@@ -115,6 +116,7 @@ class ReservationSpec:
             gpu_uuid=obj["gpuUUID"],
             gpu_index=int(obj["gpuIndex"]),
             admission_uid=obj.get("admissionUID", ""),
+            admitted_user=obj.get("admittedUser", ""),
         )
 
     def to_wire(self) -> Obj:
@@ -127,6 +129,8 @@ class ReservationSpec:
         }
         if self.admission_uid:
             out["admissionUID"] = self.admission_uid
+        if self.admitted_user:
+            out["admittedUser"] = self.admitted_user
         return out
 
 
@@ -194,7 +198,7 @@ class GpuReservation:
 
     @classmethod
     def new(
-        cls, *, name: str, namespace: str, pod: str, mib: int, gpu: Gpu, admission_uid: str
+        cls, *, name: str, namespace: str, pod: str, mib: int, gpu: Gpu, admission_uid: str, user: str = ""
     ) -> GpuReservation:
         """A booking as the webhook creates it: not yet committed, active."""
         return GpuReservation(
@@ -215,6 +219,7 @@ class GpuReservation:
                 gpu_uuid=gpu.uuid,
                 gpu_index=gpu.index,
                 admission_uid=admission_uid,
+                admitted_user=user,
             ),
         )
 

@@ -29,6 +29,8 @@ LABEL_ACTIVE = "vramshare.io/active"
 webhook lists only the live ledger, not the history kept for the retention period."""
 LABEL_GPU = "vramshare.io/gpu"
 """On reservations: the GpuDevice name, so the ledger of one GPU can be listed by label."""
+ANNOTATION_REINVOKED = "vramshare.io/reinvoked-by"
+"""On reservations: the request UID of the one reinvocation that took the booking up."""
 ANNOTATION_LEDGER = "vramshare.io/last-reservation"
 """On GpuDevices: bumped by every committed reservation; the optimistic-concurrency token."""
 

@@ -6,12 +6,19 @@ from typing import Any
 
 from tests.unit.domain.builders import NOW
 from vramshare.controller.devices import conditions
-from vramshare.controller.reservations import PodInfo, plan
-from vramshare.domain import ReservationPhase
+from vramshare.controller.reservations import plan, pod_sighting
+from vramshare.domain import PodSighting, PodState, ReservationPhase
 from vramshare.kube.objects import GpuReservation
 from vramshare.kube.resources import format_time
 
-POD = PodInfo(name="task", uid="uid-1", phase="Running", running_since=NOW - 30)
+
+def sighting(state: PodState = PodState.ACTIVE) -> PodSighting:
+    return PodSighting(
+        name="task", uid="uid-1", created_at=NOW - 60, state=state, running_since=NOW - 30, gpu_uuid="GPU-1"
+    )
+
+
+POD = sighting()
 
 
 def obj(
@@ -36,7 +43,7 @@ def obj(
     }
 
 
-def make(o: dict[str, Any], pod: PodInfo | None = POD, *, missing: bool = False):  # type: ignore[no-untyped-def]
+def make(o: dict[str, Any], pod: PodSighting | None = POD, *, missing: bool = False):  # type: ignore[no-untyped-def]
     res = GpuReservation.from_wire(o)
     return plan(res=res, pod=pod, gpu_missing=missing, now=NOW, ttl_s=300, retention_s=600)
 
@@ -60,7 +67,7 @@ def test_nothing_to_do_when_bound_and_recorded() -> None:
 def test_finished_pod_releases() -> None:
     p = make(
         obj("Bound", owners=[{"uid": "uid-1"}], podUID="uid-1", podRunningSince=format_time(NOW - 30)),
-        PodInfo(name="task", uid="uid-1", phase="Succeeded", running_since=NOW - 30),
+        sighting(PodState.FINISHED),
     )
     assert p.status is not None
     assert (p.status.phase, p.status.reason) == (ReservationPhase.RELEASED, "PodFinished")
@@ -68,23 +75,47 @@ def test_finished_pod_releases() -> None:
     assert p.event.reason == "GpuReleased"
 
 
-def test_missing_gpu_loses_with_a_warning() -> None:
+def test_missing_gpu_marks_lost_with_a_warning_but_keeps_the_booking_active() -> None:
     p = make(
         obj("Bound", owners=[{"uid": "uid-1"}], podUID="uid-1", podRunningSince=format_time(NOW - 30)),
         missing=True,
     )
     assert p.status is not None
     assert p.status.phase is ReservationPhase.LOST
+    assert p.status.finished_at is None
+    assert p.active_label is None  # still counted by the webhook
     assert p.event is not None
-    assert p.event.type == "Warning"
+    assert (p.event.type, p.event.reason) == ("Warning", "GpuLost")
+    back = make(obj("Lost", owners=[{"uid": "uid-1"}], podUID="uid-1", podRunningSince=format_time(NOW - 30)))
+    assert back.status is not None
+    assert back.status.phase is ReservationPhase.BOUND
+    assert back.event is not None
+    assert back.event.reason == "GpuReturned"
 
 
-def test_orphan_expires_only_after_the_ttl_and_posts_nothing() -> None:
+def test_orphan_expires_after_the_ttl_with_an_event_on_the_reservation() -> None:
     assert make(obj("Reserved", age=299), None).empty
     p = make(obj("Reserved", age=300), None)
     assert p.status is not None
-    assert p.status.phase is ReservationPhase.EXPIRED
-    assert p.event is None
+    assert (p.status.phase, p.status.reason) == (ReservationPhase.EXPIRED, "PodNeverCreated")
+    assert p.active_label == "false"
+    assert p.event is not None
+    assert (p.event.type, p.event.reason) == ("Warning", "PodNeverCreated")
+    assert p.event_on_reservation
+
+
+def test_a_late_pod_revives_an_expired_booking() -> None:
+    expired = obj("Expired", age=400, finishedAt=format_time(NOW - 100), reason="PodNeverCreated")
+    expired["metadata"]["labels"] = {"vramshare.io/active": "false"}
+    p = make(expired)
+    assert p.status is not None
+    assert (p.status.phase, p.status.reason) == (ReservationPhase.BOUND, "PodAppearedLate")
+    assert p.status.finished_at is None
+    assert p.status.pod_uid == "uid-1"
+    assert p.active_label == "true"
+    assert p.owner == POD
+    assert p.event is not None
+    assert p.event.type == "Warning"
 
 
 def test_terminal_reservations_are_deleted_after_retention() -> None:
@@ -110,9 +141,12 @@ def test_pod_info_reads_the_earliest_container_start() -> None:
             ],
         },
     }
-    info = PodInfo.from_pod(pod)
+    info = pod_sighting(pod)
     assert info.running_since == NOW - 20
-    assert PodInfo.from_pod({"metadata": {"name": "p", "uid": "u"}}).phase == "Pending"
+    assert info.state is PodState.ACTIVE
+    assert pod_sighting({"metadata": {"name": "p", "uid": "u"}, "status": {"phase": "Failed"}}).state is (
+        PodState.FINISHED
+    )
 
 
 def test_conditions_keep_transition_times_while_unchanged() -> None:
@@ -129,12 +163,12 @@ def test_conditions_keep_transition_times_while_unchanged() -> None:
 def test_ended_reservations_are_labelled_inactive_once() -> None:
     released = make(
         obj("Bound", owners=[{"uid": "uid-1"}], podUID="uid-1", podRunningSince=format_time(NOW - 30)),
-        PodInfo(name="task", uid="uid-1", phase="Failed", running_since=NOW - 30),
+        sighting(PodState.FINISHED),
     )
-    assert released.deactivate
+    assert released.active_label == "false"
     already = obj("Released", finishedAt=format_time(NOW - 10))
     already["metadata"]["labels"] = {"vramshare.io/active": "false"}
     assert make(already, None).empty
     assert not make(
         obj("Bound", owners=[{"uid": "uid-1"}], podUID="uid-1", podRunningSince=format_time(NOW - 30))
-    ).deactivate
+    ).active_label

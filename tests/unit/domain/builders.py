@@ -41,11 +41,12 @@ def reservation(
     phase: ReservationPhase = ReservationPhase.BOUND,
     running_since: float | None = None,
     reserved_at: float = NOW - 600,
+    pod: str = "task-1",
 ) -> Reservation:
     return Reservation(
         name=name or f"res-{mib}-{gpu_uuid}",
         namespace="airflow",
-        pod="task-1",
+        pod=pod,
         mib=mib,
         node="node-a",
         gpu_uuid=gpu_uuid,

@@ -67,9 +67,19 @@ def test_only_active_reservations_on_this_gpu_count() -> None:
         reservation(1_000, gpu_uuid="GPU-b"),
         reservation(2_000, phase=ReservationPhase.RELEASED),
         reservation(3_000, phase=ReservationPhase.EXPIRED),
-        reservation(4_000, phase=ReservationPhase.LOST),
     ]
     assert headroom(g, others, settle_s=60, safety_margin_mib=0).reserved_mib == 0
+
+
+def test_lost_bookings_still_count() -> None:
+    """Lost: the GPU blinked out while the pod runs; when it returns, that memory is still taken."""
+    g = gpu("GPU-a", total=16_384)
+    assert (
+        headroom(
+            g, [reservation(4_000, phase=ReservationPhase.LOST)], settle_s=60, safety_margin_mib=0
+        ).reserved_mib
+        == 4_000
+    )
 
 
 def test_ledger_only_ignores_live_free_memory() -> None:

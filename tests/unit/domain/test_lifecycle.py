@@ -4,10 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from vramshare.domain import PodState, ReservationPhase, due_for_cleanup, next_phase
+from tests.unit.domain.builders import reservation
+from vramshare.domain import PodSighting, PodState, ReservationPhase, due_for_cleanup, genuine_pod, next_phase
 
-R, B = ReservationPhase.RESERVED, ReservationPhase.BOUND
-TTL = 300.0
+R, B, L, E = (
+    ReservationPhase.RESERVED,
+    ReservationPhase.BOUND,
+    ReservationPhase.LOST,
+    ReservationPhase.EXPIRED,
+)
+TTL = 20.0
 
 
 @pytest.mark.parametrize(
@@ -15,16 +21,25 @@ TTL = 300.0
     [
         (R, PodState.ACTIVE, False, 1, ReservationPhase.BOUND, "PodBound"),
         (R, PodState.ABSENT, False, 1, None, None),
-        (R, PodState.ABSENT, False, TTL, ReservationPhase.EXPIRED, "NoPod"),
+        (R, PodState.ABSENT, False, TTL, ReservationPhase.EXPIRED, "PodNeverCreated"),
+        (R, PodState.ABSENT, True, TTL, ReservationPhase.EXPIRED, "PodNeverCreated"),
         (R, PodState.FINISHED, False, 1, ReservationPhase.RELEASED, "PodFinished"),
-        (R, PodState.ACTIVE, True, 1, ReservationPhase.LOST, "GpuMissing"),
+        # A pod appearing on a GPU that blinked out is bound first; the next look marks it Lost.
+        (R, PodState.ACTIVE, True, 1, ReservationPhase.BOUND, "PodBound"),
         (B, PodState.ACTIVE, False, 10_000, None, None),
         (B, PodState.FINISHED, False, 1, ReservationPhase.RELEASED, "PodFinished"),
         (B, PodState.ABSENT, False, 1, ReservationPhase.RELEASED, "PodDeleted"),
         (B, PodState.ACTIVE, True, 1, ReservationPhase.LOST, "GpuMissing"),
+        (L, PodState.ACTIVE, True, 10_000, None, None),
+        (L, PodState.ACTIVE, False, 10_000, ReservationPhase.BOUND, "GpuReturned"),
+        (L, PodState.FINISHED, True, 1, ReservationPhase.RELEASED, "PodFinished"),
+        (L, PodState.ABSENT, True, 1, ReservationPhase.RELEASED, "PodDeleted"),
+        (E, PodState.ACTIVE, False, 10_000, ReservationPhase.BOUND, "PodAppearedLate"),
+        (E, PodState.ABSENT, False, 10_000, None, None),
+        (E, PodState.FINISHED, False, 10_000, None, None),
     ],
 )
-def test_active_phase_transitions(
+def test_phase_transitions(
     phase: ReservationPhase,
     pod: PodState,
     gpu_missing: bool,
@@ -41,11 +56,24 @@ def test_active_phase_transitions(
         assert t.message
 
 
-@pytest.mark.parametrize("phase", [p for p in ReservationPhase if not p.is_active])
 @pytest.mark.parametrize("pod", list(PodState))
 @pytest.mark.parametrize("gpu_missing", [False, True])
-def test_terminal_phases_never_move(phase: ReservationPhase, pod: PodState, gpu_missing: bool) -> None:
-    assert next_phase(phase=phase, pod=pod, gpu_missing=gpu_missing, age_s=1e9, ttl_s=TTL) is None
+def test_released_never_moves(pod: PodState, gpu_missing: bool) -> None:
+    assert (
+        next_phase(phase=ReservationPhase.RELEASED, pod=pod, gpu_missing=gpu_missing, age_s=1e9, ttl_s=TTL)
+        is None
+    )
+
+
+@pytest.mark.parametrize("pod", [PodState.ACTIVE, PodState.ABSENT])
+def test_a_missing_gpu_never_ends_a_booking_whose_pod_still_runs(pod: PodState) -> None:
+    """Whatever the GPU does, a booking with a live pod stays active (Bound or Lost)."""
+    phase = B
+    for missing in (True, True, False, True, False):
+        t = next_phase(phase=phase, pod=PodState.ACTIVE, gpu_missing=missing, age_s=1e9, ttl_s=TTL)
+        phase = t.phase if t else phase
+        assert phase.is_active
+    assert phase is B
 
 
 def test_bound_never_expires_by_ttl() -> None:
@@ -58,7 +86,7 @@ def test_bound_never_expires_by_ttl() -> None:
         (ReservationPhase.RELEASED, 599, False),
         (ReservationPhase.RELEASED, 600, True),
         (ReservationPhase.EXPIRED, 601, True),
-        (ReservationPhase.LOST, 700, True),
+        (ReservationPhase.LOST, 1e9, False),
         (ReservationPhase.BOUND, 1e9, False),
         (ReservationPhase.RESERVED, 1e9, False),
     ],
@@ -67,3 +95,43 @@ def test_cleanup_only_after_retention_and_only_terminal(
     phase: ReservationPhase, age: float, expected: bool
 ) -> None:
     assert due_for_cleanup(phase=phase, finished_age_s=age, retention_s=600) is expected
+
+
+def sighting(
+    name: str, *, created: float, uid: str | None = None, gpu_uuid: str | None = "GPU-a"
+) -> PodSighting:
+    return PodSighting(
+        name=name,
+        uid=uid or f"uid-{name}",
+        created_at=created,
+        state=PodState.ACTIVE,
+        running_since=None,
+        gpu_uuid=gpu_uuid,
+    )
+
+
+def test_the_admitted_pod_is_genuine_and_a_hand_made_copy_is_an_impostor() -> None:
+    res = reservation(4_096, name="task-ab12", pod="task")
+    real = sighting("task", created=res.reserved_at + 1)
+    copy = sighting("task-copy", created=res.reserved_at + 5)
+    genuine, impostors = genuine_pod(res, [copy, real], bound_uid=None)
+    assert genuine == real
+    assert impostors == [copy]
+
+
+def test_generate_name_pods_match_by_prefix_and_only_after_the_booking() -> None:
+    res = reservation(4_096, name="task-ab12", pod="task-*")
+    earlier = sighting("task-zzzzz", created=res.reserved_at - 60)  # existed before: cannot be it
+    other_gpu = sighting("task-yyyyy", created=res.reserved_at, gpu_uuid="GPU-b")
+    real = sighting("task-xxxxx", created=res.reserved_at + 1)
+    genuine, impostors = genuine_pod(res, [earlier, other_gpu, real], bound_uid=None)
+    assert genuine == real
+    assert {p.name for p in impostors} == {"task-zzzzz", "task-yyyyy"}
+
+
+def test_once_bound_only_the_recorded_uid_belongs() -> None:
+    res = reservation(4_096, name="task-ab12", pod="task")
+    real = sighting("task", created=res.reserved_at + 1, uid="u-real")
+    assert genuine_pod(res, [real], bound_uid="u-real") == (real, [])
+    replaced = sighting("task", created=res.reserved_at + 90, uid="u-new")  # deleted and recreated by hand
+    assert genuine_pod(res, [replaced], bound_uid="u-real") == (None, [replaced])

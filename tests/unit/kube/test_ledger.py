@@ -130,3 +130,34 @@ async def test_reservations_labelled_inactive_are_not_counted() -> None:
     (path,) = reservations(kube)
     await kube.merge_patch(path, {"metadata": {"labels": {"vramshare.io/active": "false"}}})
     assert (await ledger.snapshot(fresh=True)).reservations == ()
+
+
+async def test_a_booking_is_taken_up_by_one_reinvocation_only() -> None:
+    kube = await cluster()
+    ledger = KubeLedger(kube)
+    snap = await ledger.snapshot()
+    created = await ledger.commit(reservation=booking(), token=snap.tokens[GPU.uuid])
+    current = await ledger.get_reservation("jobs", "task-1")
+    assert current is not None
+    assert await ledger.claim_reinvocation(current, claimant="uid-2")
+    assert kube.objects[reservations_path("jobs", "task-1")]["metadata"]["annotations"] == {
+        "vramshare.io/reinvoked-by": "uid-2"
+    }
+    # A second pass, whether it read the booking before or after the first took it up, gets nothing.
+    assert not await ledger.claim_reinvocation(current, claimant="uid-3")
+    again = await ledger.get_reservation("jobs", "task-1")
+    assert again is not None
+    assert not await ledger.claim_reinvocation(again, claimant="uid-3")
+    assert created.spec.admitted_user == ""
+
+
+async def test_pod_carries_reads_pods_by_the_reservation_label() -> None:
+    kube = await cluster()
+    ledger = KubeLedger(kube)
+    assert not await ledger.pod_carries("jobs", "task-1")
+    await kube.create(
+        "/api/v1/namespaces/jobs/pods",
+        {"metadata": {"name": "p", "labels": {"vramshare.io/reservation": "task-1"}}},
+    )
+    assert await ledger.pod_carries("jobs", "task-1")
+    assert not await ledger.pod_carries("jobs", "task-2")

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import copy
 import json
 from dataclasses import replace
 from typing import Any
@@ -10,7 +12,7 @@ from typing import Any
 import pytest
 
 from tests.unit.domain.builders import NOW, gpu
-from vramshare.domain import Accounting
+from vramshare.domain import Accounting, ReservationPhase
 from vramshare.kube.ledger import CommitConflictError, Snapshot
 from vramshare.kube.objects import GpuReservation
 from vramshare.settings import SettingsError
@@ -27,6 +29,9 @@ class MemoryLedger:
         self.conflicts = conflicts
         self.fail = fail
         self.fresh_reads = 0
+        self.carried: set[str] = set()
+        """Reservations some pod already carries."""
+        self.hang_commit = False
 
     async def snapshot(self, *, fresh: bool = False) -> Snapshot:
         self.fresh_reads += fresh
@@ -41,7 +46,22 @@ class MemoryLedger:
     async def get_reservation(self, namespace: str, name: str) -> GpuReservation | None:
         return next((o for o in self.objects if o.name == name), None)
 
+    async def claim_reinvocation(self, reservation: GpuReservation, *, claimant: str) -> bool:
+        current = next(o for o in self.objects if o.name == reservation.name)
+        if "vramshare.io/reinvoked-by" in current.meta.annotations:
+            return False
+        claimed = replace(
+            current, meta=replace(current.meta, annotations={"vramshare.io/reinvoked-by": claimant})
+        )
+        self.objects = [claimed if o is current else o for o in self.objects]
+        return True
+
+    async def pod_carries(self, namespace: str, reservation: str) -> bool:
+        return reservation in self.carried
+
     async def commit(self, *, reservation: GpuReservation, token: str) -> GpuReservation:
+        if self.hang_commit:
+            await asyncio.sleep(3600)
         if self.conflicts:
             self.conflicts -= 1
             raise CommitConflictError("moved")
@@ -133,18 +153,116 @@ async def test_dry_run_patches_without_committing() -> None:
     assert ledger.objects == []
 
 
-async def test_reinvocation_of_the_same_request_reuses_its_reservation() -> None:
+def applied(req: rv.Request, review: rv.Review) -> rv.Request:
+    """The request as the API server sends it again after a later webhook: the first pass's patch
+    applied (plus a sidecar container), under a new request UID."""
+    pod = copy.deepcopy(req.object)
+    for op in patch_of(review):
+        parts = op["path"].strip("/").split("/")
+        target = pod
+        for part in parts[:-1]:
+            target = target[int(part)] if isinstance(target, list) else target.setdefault(part, {})
+        key = parts[-1]
+        if isinstance(target, list):
+            target[int(key)] = op["value"]
+        else:
+            target[key] = op["value"]
+    pod["spec"]["containers"].append({"name": "sidecar", "image": "proxy"})
+    return replace(req, uid=req.uid + "-again", object=pod)
+
+
+async def test_a_reinvocation_keeps_the_first_placement_and_books_nothing_more() -> None:
     ledger = MemoryLedger()
     a = admitter(ledger)
-    first = await a.review(request())
-    annotations = next(op["value"] for op in patch_of(first) if op["path"] == "/metadata/annotations")
-    again = await a.review(request(annotations=annotations))
-    assert patch_of(again) == patch_of(first)
+    req = request()
+    first = await a.review(req)
+    again_req = applied(req, first)
+    again = await a.review(again_req)
     assert len(ledger.objects) == 1
-    # The same annotations on another request (a user copying them) are not honoured.
-    other = await a.review(request(uid="u2", annotations=annotations))
+    ops = {op["path"]: op["value"] for op in patch_of(again)}
+    first_ops = {op["path"]: op["value"] for op in patch_of(first)}
+    assert ops["/metadata/annotations"] == first_ops["/metadata/annotations"]
+    # The sidecar a later webhook added is pinned to the same GPU.
+    uuid = first_ops["/metadata/annotations"]["vramshare.io/gpu-uuid"]
+    assert {"name": "NVIDIA_VISIBLE_DEVICES", "value": uuid} in ops["/spec/containers/1/env"]
+    # The node affinity is not duplicated.
+    (term,) = ops["/spec/affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+        "nodeSelectorTerms"
+    ]
+    assert len(term["matchExpressions"]) == 1
+    # The API server reinvokes at most once: a third pass with the same annotations is a copy.
+    third = await a.review(replace(again_req, uid="u-third"))
     assert len(ledger.objects) == 2
-    assert patch_of(other) != patch_of(first)
+    assert patch_of(third) != patch_of(first)
+
+
+@pytest.mark.parametrize(
+    ("change", "why"),
+    [
+        ({"name": "other-task"}, "another pod or size"),
+        ({"username": "mallory"}, "another user"),
+        ({"mib": "8192"}, "another pod or size"),
+        ({"carried": True}, "a pod already carries"),
+        ({"age": 31}, "older than 30 s"),
+    ],
+)
+async def test_copied_annotations_get_no_placement_they_did_not_pay_for(
+    change: dict[str, Any], why: str
+) -> None:
+    ledger = MemoryLedger()
+    now = [NOW]
+    a = Admitter(
+        settings=WebhookSettings(accounting=Accounting(safety_margin_mib=0)),
+        ledger=ledger,
+        metrics=WebhookMetrics(),
+        clock=lambda: now[0],
+    )
+    original = request()
+    first = await a.review(original)
+    (booked,) = ledger.objects
+    forged = applied(original, first)
+    if "name" in change:
+        forged.object["metadata"]["name"] = change["name"]
+        forged = replace(forged, name=change["name"])
+    if "username" in change:
+        forged = replace(forged, username=change["username"])
+    if "mib" in change:
+        forged.object["metadata"]["annotations"]["gpu-mem-mb"] = change["mib"]
+    if change.get("carried"):
+        ledger.carried.add(booked.name)
+    now[0] += change.get("age", 0)
+    review = await a.review(forged)
+    assert len(ledger.objects) == 2, "a forged pass must pay for its own booking"
+    annotations = {op["path"]: op["value"] for op in patch_of(review)}["/metadata/annotations"]
+    assert annotations["vramshare.io/reservation"] != booked.name
+    assert "vramshare.io/reinvoked-by" not in ledger.objects[0].meta.annotations
+    assert why  # the reason is logged as placement_not_honoured
+
+
+async def test_the_whole_answer_is_bounded_by_the_deadline() -> None:
+    ledger = MemoryLedger()
+    ledger.hang_commit = True
+    review = await admitter(ledger, decision_deadline_s=0.2).review(request())
+    status = review["response"]["status"]
+    assert review["response"]["allowed"] is False
+    assert status["code"] == 403
+    assert "could not decide within 0.2 s" in status["message"]
+    assert "nothing was reserved" in status["message"]
+    assert ledger.objects == []
+
+
+async def test_a_name_that_holds_a_booking_is_refused_as_already_existing() -> None:
+    ledger = MemoryLedger()
+    a = admitter(ledger)
+    await a.review(request())
+    (booked,) = ledger.objects
+    ledger.objects = [replace(booked, status=replace(booked.status, phase=ReservationPhase.BOUND))]
+    again = await a.review(request(uid="u-dup"))
+    status = again["response"]["status"]
+    assert (status["code"], status["reason"]) == (409, "AlreadyExists")
+    assert 'pods "task" already exists' in status["message"]
+    assert len(ledger.objects) == 1
+    assert ledger.fresh_reads == 1  # confirmed on a consistent view
 
 
 @pytest.mark.parametrize(("mib", "problem"), [("abc", "it is not a number"), ("0", "it is zero")])

@@ -1,0 +1,201 @@
+"""Other admission parts that real GPU clusters run next to vramshare, for the test cluster.
+
+- `label` and `sidecar`: small but real mutating webhooks over TLS, as Kyverno mutations and sidecar
+  injectors are. Registered after vramshare, they make the API server reinvoke vramshare.
+- `delay-proxy`: a TCP proxy in front of a webhook that holds its answers back, so the API server gives
+  up on the call while the webhook goes on (what a slow network or an overloaded node does).
+
+Run one with `python -m vramshare_e2e.admission_parts MODE ...`; `start_*` below do it on a cluster.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import json
+import os
+import socket
+import ssl
+import sys
+from typing import Any
+
+from aiohttp import web
+
+from vramshare_e2e.cluster import Component, LocalCluster, free_port, http_ok
+
+INJECTED_LABEL = "e2e.vramshare.io/injected"
+SIDECAR = "e2e-proxy"
+
+
+def mutation(mode: str, pod: dict[str, Any]) -> list[dict[str, Any]]:
+    """The JSON Patch each fake webhook applies (nothing when it has already applied it)."""
+    if mode == "label":
+        labels = (pod.get("metadata") or {}).get("labels") or {}
+        if labels.get(INJECTED_LABEL) == "yes":
+            return []
+        return [{"op": "add", "path": "/metadata/labels", "value": {**labels, INJECTED_LABEL: "yes"}}]
+    containers = (pod.get("spec") or {}).get("containers") or []
+    if any(c.get("name") == SIDECAR for c in containers):
+        return []
+    sidecar = {"name": SIDECAR, "image": "example.invalid/proxy:1", "env": [{"name": "PROXY", "value": "on"}]}
+    return [{"op": "add", "path": "/spec/containers/-", "value": sidecar}]
+
+
+def webhook_app(mode: str) -> web.Application:
+    async def mutate(request: web.Request) -> web.Response:
+        review = await request.json()
+        req = review["request"]
+        response: dict[str, Any] = {"uid": req["uid"], "allowed": True}
+        patch = mutation(mode, req.get("object") or {})
+        if patch:
+            response["patchType"] = "JSONPatch"
+            response["patch"] = base64.b64encode(json.dumps(patch).encode()).decode()
+        return web.json_response(
+            {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "response": response}
+        )
+
+    async def healthz(_: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    app = web.Application()
+    app.router.add_post("/mutate", mutate)
+    app.router.add_get("/healthz", healthz)
+    return app
+
+
+async def delay_proxy(*, listen: int, target: int, delay_s: float) -> None:
+    """Forward TCP to 127.0.0.1:`target`, holding every answer back by `delay_s`."""
+
+    async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, delay: float) -> None:
+        try:
+            while data := await reader.read(65536):
+                if delay:
+                    await asyncio.sleep(delay)
+                    delay = 0.0  # hold the answer back once, then stream the rest
+                writer.write(data)
+                await writer.drain()
+        except (ConnectionError, asyncio.CancelledError):
+            pass
+        finally:
+            writer.close()
+
+    async def handle(client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
+        server_reader, server_writer = await asyncio.open_connection("127.0.0.1", target)
+        await asyncio.gather(
+            pipe(client_reader, server_writer, 0.0), pipe(server_reader, client_writer, delay_s)
+        )
+
+    server = await asyncio.start_server(handle, "127.0.0.1", listen)
+    async with server:
+        await server.serve_forever()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="vramshare_e2e.admission_parts")
+    parser.add_argument("mode", choices=["label", "sidecar", "delay-proxy"])
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--cert")
+    parser.add_argument("--key")
+    parser.add_argument("--target", type=int, help="delay-proxy: the port to forward to")
+    parser.add_argument("--delay-s", type=float, default=0.0)
+    args = parser.parse_args(argv)
+    if args.mode == "delay-proxy":
+        asyncio.run(delay_proxy(listen=args.port, target=args.target, delay_s=args.delay_s))
+        return
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(args.cert, args.key)
+    web.run_app(webhook_app(args.mode), host="127.0.0.1", port=args.port, ssl_context=context, print=None)
+
+
+def start_mutating_webhook(cluster: LocalCluster, *, mode: str) -> int:
+    """Start the `label` or `sidecar` webhook and register it after vramshare; returns its port."""
+    port = free_port()
+    pair = cluster.ca.issue(f"e2e-{mode}", common_name=f"e2e-{mode}", server_ips=("127.0.0.1",))
+    ctx = ssl.create_default_context()
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    name = f"e2e-{mode}-webhook"
+    cluster.components[name] = Component(
+        name=name,
+        argv=[
+            sys.executable,
+            "-m",
+            "vramshare_e2e.admission_parts",
+            mode,
+            f"--port={port}",
+            f"--cert={pair.cert_path}",
+            f"--key={pair.key_path}",
+        ],
+        log_path=cluster.logs_dir / f"{name}.log",
+        ready=lambda: http_ok(f"https://127.0.0.1:{port}/healthz", context=ctx),
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    cluster.start_component(name)
+    # Mutating webhooks run in the order of their configurations' names: "zz-" comes after vramshare's.
+    cluster.apply_objects(
+        [
+            {
+                "apiVersion": "admissionregistration.k8s.io/v1",
+                "kind": "MutatingWebhookConfiguration",
+                "metadata": {"name": f"zz-e2e-{mode}"},
+                "webhooks": [
+                    {
+                        "name": f"{mode}.e2e.vramshare.io",
+                        "admissionReviewVersions": ["v1"],
+                        "sideEffects": "None",
+                        "failurePolicy": "Fail",
+                        "reinvocationPolicy": "Never",
+                        "timeoutSeconds": 5,
+                        "clientConfig": {
+                            "url": f"https://127.0.0.1:{port}/mutate",
+                            "caBundle": base64.b64encode(cluster.ca.cert_pem).decode(),
+                        },
+                        "rules": [
+                            {
+                                "apiGroups": [""],
+                                "apiVersions": ["v1"],
+                                "operations": ["CREATE"],
+                                "resources": ["pods"],
+                                "scope": "Namespaced",
+                            }
+                        ],
+                        "namespaceSelector": {"matchLabels": {f"e2e.vramshare.io/{mode}": "on"}},
+                    }
+                ],
+            }
+        ]
+    )
+    return port
+
+
+def start_delay_proxy(cluster: LocalCluster, *, name: str, target: int, delay_s: float) -> int:
+    """A proxy to the webhook on `target` that holds its answers back by `delay_s`; returns its port."""
+    port = free_port()
+    cluster.components[name] = Component(
+        name=name,
+        argv=[
+            sys.executable,
+            "-m",
+            "vramshare_e2e.admission_parts",
+            "delay-proxy",
+            f"--port={port}",
+            f"--target={target}",
+            f"--delay-s={delay_s}",
+        ],
+        log_path=cluster.logs_dir / f"{name}.log",
+        ready=lambda: _listening(port),
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    cluster.start_component(name)
+    return port
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,117 @@
+"""ReservationReconciler against a fake client: its own pod only, impostors ignored with one event,
+and a booking whose pod never appears looked at again when its TTL runs out."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from tests.unit.domain.builders import NOW, gpu
+from tests.unit.fake_kube import FakeKube
+from vramshare.controller.metrics import ControllerMetrics
+from vramshare.controller.reservations import ReservationReconciler
+from vramshare.controller.settings import ControllerSettings
+from vramshare.domain.inventory import GpuPresence
+from vramshare.kube.objects import GpuReservation
+from vramshare.kube.resources import format_time, reservations_path
+
+GPU = gpu("GPU-a")
+PRESENT = GpuPresence(known=frozenset({"GPU-a"}))
+PATH = reservations_path("jobs", "task-ab12")
+
+
+async def setup(
+    *, ttl_s: float = 20.0, now: list[float] | None = None
+) -> tuple[FakeKube, ReservationReconciler]:
+    clock = now or [NOW]
+    kube = FakeKube(clock=lambda: clock[0])
+    booking = GpuReservation.new(
+        name="task-ab12", namespace="jobs", pod="task", mib=4096, gpu=GPU, admission_uid="u1", user="airflow"
+    )
+    await kube.create(reservations_path("jobs"), booking.to_wire())
+    reconciler = ReservationReconciler(
+        kube=kube,  # type: ignore[arg-type]
+        settings=ControllerSettings(reservation_ttl_s=ttl_s, identity="test"),
+        metrics=ControllerMetrics(),
+        clock=lambda: clock[0],
+    )
+    return kube, reconciler
+
+
+async def add_pod(
+    kube: FakeKube, name: str, *, gpu_uuid: str | None = "GPU-a", created: float = NOW
+) -> dict[str, Any]:
+    annotations = {"vramshare.io/gpu-uuid": gpu_uuid} if gpu_uuid else {}
+    return await kube.create(
+        "/api/v1/namespaces/jobs/pods",
+        {
+            "metadata": {
+                "name": name,
+                "namespace": "jobs",
+                "uid": f"uid-{name}",
+                "creationTimestamp": format_time(created),
+                "labels": {"vramshare.io/reservation": "task-ab12"},
+                "annotations": annotations,
+            },
+            "status": {"phase": "Running"},
+        },
+    )
+
+
+def status(kube: FakeKube) -> dict[str, Any]:
+    return kube.objects[PATH].get("status", {})  # type: ignore[no-any-return]
+
+
+def events(kube: FakeKube) -> list[dict[str, Any]]:
+    return [o for p, o in kube.objects.items() if "/events/" in p]
+
+
+async def test_the_sweep_binds_its_own_pod_and_flags_an_impostor_once() -> None:
+    kube, reconciler = await setup()
+    await add_pod(kube, "task", created=NOW + 1)
+    await add_pod(kube, "by-hand", gpu_uuid=None, created=NOW + 2)
+    await reconciler.sweep(presence=PRESENT)
+    assert (status(kube)["phase"], status(kube)["podUID"]) == ("Bound", "uid-task")
+    await reconciler.sweep(presence=PRESENT)
+    flagged = [e for e in events(kube) if e["reason"] == "ReservationNotYours"]
+    assert [e["involvedObject"]["name"] for e in flagged] == ["by-hand"]
+    assert reconciler.metrics.impostor_pods._value.get() == 1
+
+
+async def test_an_impostors_deletion_does_not_release_the_booking() -> None:
+    kube, reconciler = await setup()
+    own = await add_pod(kube, "task", created=NOW + 1)
+    impostor = await add_pod(kube, "by-hand", created=NOW + 2)
+    await reconciler.pod_changed(own, deleted=False, presence=PRESENT)
+    assert status(kube)["phase"] == "Bound"
+    await reconciler.pod_changed(impostor, deleted=True, presence=PRESENT)
+    assert status(kube)["phase"] == "Bound"
+    await reconciler.pod_changed(own, deleted=True, presence=PRESENT)
+    assert (status(kube)["phase"], status(kube)["reason"]) == ("Released", "PodDeleted")
+
+
+async def test_a_booking_whose_pod_never_appears_expires_when_its_ttl_runs_out() -> None:
+    now = [NOW]
+    kube, reconciler = await setup(ttl_s=0.2, now=now)
+    now[0] = NOW + 0.3  # the TTL has run out by the time the timer fires
+    reconciler.reservation_seen(kube.objects[PATH], presence=lambda: PRESENT)
+    await asyncio.sleep(0.05)
+    assert "phase" not in status(kube)  # not yet: the check waits for the TTL plus a moment
+    await asyncio.sleep(0.6)
+    assert (status(kube)["phase"], status(kube)["reason"]) == ("Expired", "PodNeverCreated")
+    assert kube.objects[PATH]["metadata"]["labels"]["vramshare.io/active"] == "false"
+    (event,) = events(kube)
+    assert (event["reason"], event["involvedObject"]["kind"]) == ("PodNeverCreated", "GpuReservation")
+
+
+async def test_a_late_pod_revives_its_expired_booking() -> None:
+    now = [NOW]
+    kube, reconciler = await setup(now=now)
+    now[0] = NOW + 25
+    await reconciler.sweep(presence=PRESENT)
+    assert status(kube)["phase"] == "Expired"
+    late = await add_pod(kube, "task", created=NOW + 24)
+    await reconciler.pod_changed(late, deleted=False, presence=PRESENT)
+    assert (status(kube)["phase"], status(kube)["reason"]) == ("Bound", "PodAppearedLate")
+    assert "finishedAt" not in status(kube)
+    assert kube.objects[PATH]["metadata"]["labels"]["vramshare.io/active"] == "true"
