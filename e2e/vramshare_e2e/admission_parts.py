@@ -65,26 +65,42 @@ def webhook_app(mode: str) -> web.Application:
 
 
 async def delay_proxy(*, listen: int, target: int, delay_s: float) -> None:
-    """Forward TCP to 127.0.0.1:`target`, holding every answer back by `delay_s`."""
+    """Forward TCP to 127.0.0.1:`target`, holding the answer back by `delay_s`.
 
-    async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, delay: float) -> None:
-        try:
-            while data := await reader.read(65536):
-                if delay:
-                    await asyncio.sleep(delay)
-                    delay = 0.0  # hold the answer back once, then stream the rest
-                writer.write(data)
-                await writer.drain()
-        except (ConnectionError, asyncio.CancelledError):
-            pass
-        finally:
-            writer.close()
+    The TLS handshake passes at once (else the request would never reach the webhook); what the server
+    sends after the client's second flight (its Finished and the request) is held back."""
 
     async def handle(client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
         server_reader, server_writer = await asyncio.open_connection("127.0.0.1", target)
-        await asyncio.gather(
-            pipe(client_reader, server_writer, 0.0), pipe(server_reader, client_writer, delay_s)
-        )
+        flights = 0
+
+        async def upstream() -> None:
+            nonlocal flights
+            try:
+                while data := await client_reader.read(65536):
+                    flights += 1
+                    server_writer.write(data)
+                    await server_writer.drain()
+            except ConnectionError:
+                pass
+            finally:
+                server_writer.close()
+
+        async def downstream() -> None:
+            held = False
+            try:
+                while data := await server_reader.read(65536):
+                    if flights >= 2 and not held:
+                        held = True
+                        await asyncio.sleep(delay_s)
+                    client_writer.write(data)
+                    await client_writer.drain()
+            except ConnectionError:
+                pass
+            finally:
+                client_writer.close()
+
+        await asyncio.gather(upstream(), downstream())
 
     server = await asyncio.start_server(handle, "127.0.0.1", listen)
     async with server:

@@ -249,7 +249,7 @@ def test_pods_rejected_after_vramshare_leave_no_booking_counted_after_30_s(
         try:
             core.create_namespaced_pod(policy, probe)
         except ApiException as exc:
-            return exc.status == 403
+            return "deny-me" in exc.body
         core.delete_namespaced_pod("probe", policy, grace_period_seconds=0)
         return False
 
@@ -266,7 +266,7 @@ def test_pods_rejected_after_vramshare_leave_no_booking_counted_after_30_s(
         "validating-admission-policy": (
             policy,
             gpu_pod("denied", 1024, labels={"deny-me": "yes"}),
-            403,
+            422,
             "pods labelled deny-me are not allowed here",
         ),
         "pod-security-restricted": (
@@ -292,6 +292,7 @@ def test_pods_rejected_after_vramshare_leave_no_booking_counted_after_30_s(
 
     # vramshare had booked each (that is the point: the rejection came after it); watch them stop counting.
     booked = leftovers()
+    assert {case: len(rs) for case, rs in booked.items()} == dict.fromkeys(cases, 1)
     longest, since = 0.0, {}
     deadline = time.monotonic() + 60
     while True:
