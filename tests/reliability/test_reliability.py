@@ -29,6 +29,7 @@ from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
 from vramshare.kube.resources import ANNOTATION_RESERVATION
+from vramshare_e2e.admission_parts import start_mutating_webhook
 from vramshare_e2e.cluster import LocalCluster, eventually
 from vramshare_e2e.components import start_controller, start_webhook, webhook_configuration
 
@@ -39,6 +40,8 @@ MARGIN = 512
 TTL_S = 8
 SHARDS = ("r1", "r2", "r3")
 SIZES = (1000, 2000, 3000, 5000, 8000)
+QUOTA_NAMESPACE = "load-r3"
+QUOTA_PODS = max(1, PODS // 12)
 CONTROLLER_ENV = {
     "VRAMSHARE_POLL_INTERVAL_S": "1",
     "VRAMSHARE_LIFECYCLE_INTERVAL_S": "1",
@@ -85,16 +88,43 @@ def stack() -> Iterator[Stack]:
         for shard in SHARDS:
             s.ports[shard] = start_webhook(cluster, name=f"webhook-{shard}", env=env)[1]
         cluster.apply_objects([webhook_configuration(cluster, ports=s.ports)])
+        # The cluster users have: a labelling webhook and a sidecar injector after vramshare (so the API
+        # server reinvokes it), and a quota that rejects pods after vramshare booked them.
+        start_mutating_webhook(cluster, mode="label")
+        start_mutating_webhook(cluster, mode="sidecar")
         for shard in SHARDS:
             cluster.apply_objects(
                 [
                     {
                         "apiVersion": "v1",
                         "kind": "Namespace",
-                        "metadata": {"name": f"load-{shard}", "labels": {"vramshare-e2e/shard": shard}},
+                        "metadata": {
+                            "name": f"load-{shard}",
+                            "labels": {
+                                "vramshare-e2e/shard": shard,
+                                "e2e.vramshare.io/label": "on",
+                                "e2e.vramshare.io/sidecar": "on",
+                            },
+                        },
                     }
                 ]
             )
+        cluster.apply_objects(
+            [
+                {
+                    "apiVersion": "v1",
+                    "kind": "ResourceQuota",
+                    "metadata": {"name": "pods", "namespace": QUOTA_NAMESPACE},
+                    "spec": {"hard": {"pods": str(QUOTA_PODS)}},
+                }
+            ]
+        )
+        eventually(
+            lambda: (
+                "hard" in cluster.kubectl("get", "resourcequota", "pods", "-n", QUOTA_NAMESPACE, "-o", "json")
+            ),
+            what="the quota's status",
+        )
         for name in ("controller-1", "controller-2"):
             s.controller_ports[name] = start_controller(cluster, name=name, env=CONTROLLER_ENV)[1]
         eventually(
@@ -149,7 +179,7 @@ def test_concurrency_with_crashes_keeps_every_promise(stack: Stack) -> None:
             for r in stack.reservations():
                 phase = r.get("status", {}).get("phase", "Reserved")
                 committed = r["metadata"].get("labels", {}).get("vramshare.io/committed") == "true"
-                if phase == "Bound" or (phase == "Reserved" and committed):
+                if phase in ("Bound", "Lost") or (phase == "Reserved" and committed):
                     booked[r["spec"]["gpuUUID"]] += r["spec"]["memoryMiB"]
                     holders[r["spec"]["gpuUUID"]].append(
                         f"{r['metadata']['name']}:{r['spec']['memoryMiB']}:{phase}:{committed}"
@@ -172,11 +202,12 @@ def test_concurrency_with_crashes_keeps_every_promise(stack: Stack) -> None:
             pod = stack.core.create_namespaced_pod(ns, gpu_pod(f"p{i}", sizes[i]))
         except ApiException as exc:
             body = str(exc.body)
-            kind = (
-                "refused"
-                if exc.status == 403
-                else ("webhook-down" if "failed calling webhook" in body else f"error-{exc.status}")
-            )
+            if "exceeded quota" in body:
+                kind = "quota"
+            elif exc.status == 403:
+                kind = "refused"
+            else:
+                kind = "webhook-down" if "failed calling webhook" in body else f"error-{exc.status}"
             with lock:
                 outcomes[kind] += 1
             return
@@ -217,7 +248,8 @@ def test_concurrency_with_crashes_keeps_every_promise(stack: Stack) -> None:
     assert violations == [], violations[:3]
     assert outcomes["admitted"] > 0
     assert outcomes["refused"] > 0  # the fleet was oversubscribed
-    assert set(outcomes) <= {"admitted", "refused", "webhook-down"}, outcomes
+    assert outcomes["quota"] > 0  # rejected by the quota after vramshare booked them
+    assert set(outcomes) <= {"admitted", "refused", "quota", "webhook-down"}, outcomes
 
     # After the TTL: exactly one active reservation per admitted pod, none for refused or failed ones,
     # and every admitted pod's reservation Bound (no Bound reservation lost across the crashes).
@@ -225,19 +257,39 @@ def test_concurrency_with_crashes_keeps_every_promise(stack: Stack) -> None:
         active = {
             (r["metadata"]["namespace"], r["metadata"]["name"]): r
             for r in stack.reservations()
-            if r.get("status", {}).get("phase", "Reserved") in ("Reserved", "Bound")
+            if r.get("status", {}).get("phase", "Reserved") in ("Reserved", "Bound", "Lost")
         }
         return sorted(active) == sorted((ns, name) for (ns, _), name in admitted.items()) and all(
             r["status"]["phase"] == "Bound" for r in active.values()
         )
 
     eventually(settled, what="active reservations == admitted pods, all Bound", timeout_s=TTL_S + 30)
-    expired = sum(1 for r in stack.reservations() if r.get("status", {}).get("phase") == "Expired")
+    everything = stack.reservations()
+    expired = sum(1 for r in everything if r.get("status", {}).get("phase") == "Expired")
+    leaked = sum(
+        1
+        for r in everything
+        if r["metadata"].get("labels", {}).get("vramshare.io/active") != "false"
+        and (r["metadata"]["namespace"], r["metadata"]["name"])
+        not in {(ns, n) for (ns, _), n in admitted.items()}
+    )
     fill = sum(peak.values()) / sum(capacity.values())
+    # Every container of every admitted pod, the injected sidecar included, is on its pod's GPU.
+    unpinned = 0
+    for shard in SHARDS:
+        for pod in stack.core.list_namespaced_pod(f"load-{shard}").items:
+            uuid = pod.metadata.annotations.get("vramshare.io/gpu-uuid")
+            for c in pod.spec.containers:
+                values = [e.value for e in c.env or [] if e.name == "NVIDIA_VISIBLE_DEVICES"]
+                unpinned += values != [uuid]
     report(
-        f"orphans from the killed webhook expired after the TTL: {expired}; "
+        f"bookings expired (quota rejections after admission, orphans of the killed webhook): {expired}; "
+        f"leaked active reservations: {leaked}; containers not pinned to their pod's GPU: {unpinned}; "
         f"peak ledger fill {fill:.0%} of capacity minus margin; 0 violations in continuous checks"
     )
+    assert leaked == 0
+    assert unpinned == 0
+    assert expired >= outcomes["quota"]
     for shard in SHARDS:
         stack.cluster.kubectl("delete", "pods", "--all", "-n", f"load-{shard}", "--wait=false")
 
