@@ -18,11 +18,13 @@ import os
 import socket
 import ssl
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
 
 from vramshare_e2e.cluster import Component, LocalCluster, free_port, http_ok
+from vramshare_e2e.components import POD_CREATE_RULES
 
 INJECTED_LABEL = "e2e.vramshare.io/injected"
 SIDECAR = "e2e-proxy"
@@ -124,6 +126,17 @@ def main(argv: list[str] | None = None) -> None:
     web.run_app(webhook_app(args.mode), host="127.0.0.1", port=args.port, ssl_context=context, print=None)
 
 
+def _start(cluster: LocalCluster, *, name: str, args: list[str], ready: Callable[[], bool]) -> None:
+    cluster.components[name] = Component(
+        name=name,
+        argv=[sys.executable, "-m", "vramshare_e2e.admission_parts", *args],
+        log_path=cluster.logs_dir / f"{name}.log",
+        ready=ready,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    cluster.start_component(name)
+
+
 def start_mutating_webhook(cluster: LocalCluster, *, mode: str) -> int:
     """Start the `label` or `sidecar` webhook and register it after vramshare; returns its port."""
     port = free_port()
@@ -131,23 +144,12 @@ def start_mutating_webhook(cluster: LocalCluster, *, mode: str) -> int:
     ctx = ssl.create_default_context()
     ctx.check_hostname = False
     ctx.verify_mode = ssl.CERT_NONE
-    name = f"e2e-{mode}-webhook"
-    cluster.components[name] = Component(
-        name=name,
-        argv=[
-            sys.executable,
-            "-m",
-            "vramshare_e2e.admission_parts",
-            mode,
-            f"--port={port}",
-            f"--cert={pair.cert_path}",
-            f"--key={pair.key_path}",
-        ],
-        log_path=cluster.logs_dir / f"{name}.log",
+    _start(
+        cluster,
+        name=f"e2e-{mode}-webhook",
+        args=[mode, f"--port={port}", f"--cert={pair.cert_path}", f"--key={pair.key_path}"],
         ready=lambda: http_ok(f"https://127.0.0.1:{port}/healthz", context=ctx),
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
-    cluster.start_component(name)
     # Mutating webhooks run in the order of their configurations' names: "zz-" comes after vramshare's.
     cluster.apply_objects(
         [
@@ -167,15 +169,7 @@ def start_mutating_webhook(cluster: LocalCluster, *, mode: str) -> int:
                             "url": f"https://127.0.0.1:{port}/mutate",
                             "caBundle": base64.b64encode(cluster.ca.cert_pem).decode(),
                         },
-                        "rules": [
-                            {
-                                "apiGroups": [""],
-                                "apiVersions": ["v1"],
-                                "operations": ["CREATE"],
-                                "resources": ["pods"],
-                                "scope": "Namespaced",
-                            }
-                        ],
+                        "rules": POD_CREATE_RULES,
                         "namespaceSelector": {"matchLabels": {f"e2e.vramshare.io/{mode}": "on"}},
                     }
                 ],
@@ -188,22 +182,12 @@ def start_mutating_webhook(cluster: LocalCluster, *, mode: str) -> int:
 def start_delay_proxy(cluster: LocalCluster, *, name: str, target: int, delay_s: float) -> int:
     """A proxy to the webhook on `target` that holds its answers back by `delay_s`; returns its port."""
     port = free_port()
-    cluster.components[name] = Component(
+    _start(
+        cluster,
         name=name,
-        argv=[
-            sys.executable,
-            "-m",
-            "vramshare_e2e.admission_parts",
-            "delay-proxy",
-            f"--port={port}",
-            f"--target={target}",
-            f"--delay-s={delay_s}",
-        ],
-        log_path=cluster.logs_dir / f"{name}.log",
+        args=["delay-proxy", f"--port={port}", f"--target={target}", f"--delay-s={delay_s}"],
         ready=lambda: _listening(port),
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
-    cluster.start_component(name)
     return port
 
 

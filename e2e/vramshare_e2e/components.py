@@ -18,6 +18,15 @@ from vramshare_e2e.cluster import Component, LocalCluster, free_port, http_ok
 from vramshare_e2e.fleet import Fleet
 
 WEBHOOK_NAME = "gpu-mem.vramshare.io"
+POD_CREATE_RULES = [
+    {
+        "apiGroups": [""],
+        "apiVersions": ["v1"],
+        "operations": ["CREATE"],
+        "resources": ["pods"],
+        "scope": "Namespaced",
+    }
+]
 
 
 def start_webhook(
@@ -80,15 +89,7 @@ def webhook_configuration(
                 "reinvocationPolicy": "IfNeeded",
                 "timeoutSeconds": timeout_s,
                 "clientConfig": {"url": f"https://127.0.0.1:{port}/mutate", "caBundle": ca},
-                "rules": [
-                    {
-                        "apiGroups": [""],
-                        "apiVersions": ["v1"],
-                        "operations": ["CREATE"],
-                        "resources": ["pods"],
-                        "scope": "Namespaced",
-                    }
-                ],
+                "rules": POD_CREATE_RULES,
                 "namespaceSelector": {"matchLabels": {"vramshare-e2e/shard": shard}},
             }
         )
