@@ -8,9 +8,10 @@ integration tests run against a real one.
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import datetime as dt
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from vramshare.kube.client import ApiError
@@ -60,6 +61,38 @@ class FakeKube:
         self.fail: Callable[[str, str], BaseException | None] = lambda op, path: None
         """Called before every operation with (operation, path); a returned exception is raised."""
         self.clock = clock
+        self.events: list[tuple[int, str, str, Obj]] = []
+        """(resourceVersion, path, type, object) of every change, for watches."""
+        self._changed = asyncio.Event()
+
+    def _record(self, path: str, kind: str, obj: Obj) -> None:
+        self.events.append((int(obj["metadata"]["resourceVersion"]), path, kind, copy.deepcopy(obj)))
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def watch(
+        self, path: str, *, resource_version: str, label_selector: str | None = None, timeout_s: int = 300
+    ) -> AsyncIterator[Obj]:
+        """Every change after `resource_version` under `path`, then new ones as they come."""
+        self._check("watch", path)
+        since = int(resource_version)
+        prefix = path.rstrip("/") + "/"
+        # As the API server does: an object that stops matching the selector is DELETED for this watch.
+        matching = {p for p, o in self.objects.items() if _selected(o, label_selector)}
+        while True:
+            for rv, at, kind, obj in list(self.events):
+                if rv <= since:
+                    continue
+                since = rv
+                if not (at.startswith(prefix) or _in_all_namespaces(at, path)):
+                    continue
+                if kind != "DELETED" and _selected(obj, label_selector):
+                    matching.add(at)
+                    yield {"type": kind, "object": copy.deepcopy(obj)}
+                elif at in matching:
+                    matching.discard(at)
+                    yield {"type": "DELETED", "object": copy.deepcopy(obj)}
+            await self._changed.wait()
 
     def _check(self, op: str, path: str) -> None:
         self.calls.append((op, path))
@@ -92,8 +125,11 @@ class FakeKube:
         label_selector: str | None = None,
         resource_version: str | None = None,
         not_older_than: bool = False,
+        limit: int | None = None,
+        continue_token: str | None = None,
     ) -> Obj:
         self._check("list", path)
+        await asyncio.sleep(0)  # a real LIST takes a while: let other requests arrive meanwhile
         prefix = path.rstrip("/") + "/"
         items = [
             copy.deepcopy(o)
@@ -118,6 +154,7 @@ class FakeKube:
         meta.setdefault("creationTimestamp", stamp)
         if not dry_run:
             self.objects[at] = self._bump(obj)
+            self._record(at, "ADDED", obj)
         return copy.deepcopy(obj)
 
     async def replace(self, path: str, obj: Obj) -> Obj:
@@ -125,6 +162,7 @@ class FakeKube:
         current = self._found(path)
         self._precondition(current, obj.get("metadata", {}).get("resourceVersion"))
         self.objects[path] = self._bump(copy.deepcopy(obj))
+        self._record(path, "MODIFIED", self.objects[path])
         return copy.deepcopy(self.objects[path])
 
     async def merge_patch(self, path: str, patch: Obj) -> Obj:
@@ -137,6 +175,7 @@ class FakeKube:
         else:
             patch = {k: v for k, v in patch.items() if k != "status"}
         self.objects[target] = self._bump(_merge(current, patch))
+        self._record(target, "MODIFIED", self.objects[target])
         return copy.deepcopy(self.objects[target])
 
     async def delete(self, path: str, *, resource_version: str | None = None) -> Obj:
@@ -144,6 +183,10 @@ class FakeKube:
         current = self._found(path)
         self._precondition(current, resource_version)
         del self.objects[path]
+        self.version += 1
+        gone = copy.deepcopy(current)
+        gone["metadata"]["resourceVersion"] = str(self.version)
+        self._record(path, "DELETED", gone)
         return {"status": "Success"}
 
 

@@ -52,24 +52,17 @@ async def _certificates(settings: WebhookSettings, kube: KubeClient) -> tuple[Re
 async def serve(settings: WebhookSettings) -> None:
     connection = Connection.load(kubeconfig=settings.kubeconfig or None)
     async with KubeClient(connection, user_agent="vramshare-webhook") as kube:
-        ledger = KubeLedger(kube, max_age_s=settings.snapshot_max_age_s)
+        ledger = KubeLedger(kube)
         tls, secret = await _certificates(settings, kube)
-        synced = asyncio.Event()
 
-        async def sync() -> None:
-            while True:
-                try:
-                    snapshot = await ledger.snapshot()
-                except Exception as exc:  # not ready until the API server and the CRDs answer
-                    log.warning("waiting for the API server", error=str(exc))
-                    await asyncio.sleep(1)
-                    continue
-                log.info("synced", gpus=len(snapshot.gpus), reservations=len(snapshot.reservations))
-                synced.set()
-                return
+        async def announce_sync() -> None:
+            await ledger.devices.synced.wait()
+            await ledger.reservations.synced.wait()
+            log.info("synced", gpus=len(ledger.devices.items), reservations=len(ledger.reservations.items))
 
         def ready() -> bool:
-            return synced.is_set() and (secret is None or not secret.manage or secret.injected)
+            # Ready once the watch caches hold the inventory and the live ledger.
+            return ledger.synced and (secret is None or not secret.manage or secret.injected)
 
         admitter = Admitter(settings=settings, ledger=ledger, metrics=WebhookMetrics())
         runner = web.AppRunner(create_app(admitter=admitter, ready=ready), access_log=None)
@@ -83,7 +76,7 @@ async def serve(settings: WebhookSettings) -> None:
             policy=settings.policy.value,
             tls_mode=settings.tls_mode.value,
         )
-        tasks = [asyncio.create_task(sync())]
+        tasks = [asyncio.create_task(ledger.run()), asyncio.create_task(announce_sync())]
         if secret is None:
             tasks.append(asyncio.create_task(tls.watch()))
         else:

@@ -138,7 +138,6 @@ class Admitter:
         self.ledger = ledger
         self.metrics = metrics
         self.clock = clock
-        self._commit_lock = asyncio.Lock()
 
     async def review(self, request: rv.Request) -> rv.Review:
         started = time.perf_counter()
@@ -266,16 +265,9 @@ class Admitter:
         while True:
             attempt += 1
             tried = {**details, "attempts": attempt}
-            # One decision at a time per process: replicas still race (the commit's precondition settles
-            # that), but requests of one process no longer conflict with each other.
-            try:
-                await asyncio.wait_for(self._commit_lock.acquire(), max(0.0, deadline - time.monotonic()))
-            except TimeoutError:
-                return self._contention(request, facts, mib=mib, details=tried)
-            try:
-                decision = await self._attempt(request, facts, alloc=alloc, details=tried)
-            finally:
-                self._commit_lock.release()
+            # No lock: a decision joins this process's view before its commit's first await, so the
+            # next one counts it; replicas race, and the commit's precondition settles that.
+            decision = await self._attempt(request, facts, alloc=alloc, details=tried)
             if decision is not None:
                 return decision
             self.metrics.conflicts.inc()

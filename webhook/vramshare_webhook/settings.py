@@ -38,9 +38,6 @@ class WebhookSettings:
     retry_after_s: int = 60
     hide_gpus: bool = True
     """Give pods without the annotation NVIDIA_VISIBLE_DEVICES=none (only managed namespaces reach it)."""
-    snapshot_max_age_s: float = 1.0
-    """Reuse a view of the inventory and ledger for this long, with this process's own commits applied
-    (a conflict drops it); longer is faster under bursts, but sees released memory later."""
     decision_deadline_s: float = 8.0
     """The whole answer's deadline: past it the webhook refuses and withdraws whatever it booked, so
     nothing stays booked for a request the API server gave up on. Keep it below timeoutSeconds."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import ssl
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self
@@ -98,7 +98,8 @@ class KubeClient:
 
     async def __aenter__(self) -> Self:
         connector = aiohttp.TCPConnector(ssl=self.connection.ssl_context, limit=64)
-        self._session = aiohttp.ClientSession(connector=connector, timeout=self._timeout)
+        # Watch streams are read line by line; a large buffer keeps a big object's line in one piece.
+        self._session = aiohttp.ClientSession(connector=connector, timeout=self._timeout, read_bufsize=2**20)
         return self
 
     async def __aexit__(self, *_: object) -> None:
@@ -160,17 +161,54 @@ class KubeClient:
         label_selector: str | None = None,
         resource_version: str | None = None,
         not_older_than: bool = False,
+        limit: int | None = None,
+        continue_token: str | None = None,
     ) -> Obj:
         """LIST. `resource_version="0"` reads the API server's cache as it is (no wait for freshness);
-        with `not_older_than`, a cache at least as new as `resource_version`."""
+        with `not_older_than`, a cache at least as new as `resource_version`. `limit` and
+        `continue_token` page through a large collection."""
         params = {}
         if label_selector:
             params["labelSelector"] = label_selector
+        if limit:
+            params["limit"] = str(limit)
+        if continue_token:
+            params["continue"] = continue_token
         if resource_version is not None:
             params["resourceVersion"] = resource_version
             if not_older_than:
                 params["resourceVersionMatch"] = "NotOlderThan"
         return await self.request("GET", path, params=params or None)
+
+    async def watch(
+        self,
+        path: str,
+        *,
+        resource_version: str,
+        label_selector: str | None = None,
+        timeout_s: int = 300,
+    ) -> AsyncIterator[Obj]:
+        """WATCH from `resource_version`, with bookmarks: yields each event ({"type", "object"}) until
+        the server ends the stream (after about `timeout_s`). A 410 Gone arrives as an ERROR event."""
+        if self._session is None:
+            raise RuntimeError("KubeClient used outside 'async with'")
+        params = {
+            "watch": "1",
+            "resourceVersion": resource_version,
+            "allowWatchBookmarks": "true",
+            "timeoutSeconds": str(timeout_s),
+        }
+        if label_selector:
+            params["labelSelector"] = label_selector
+        url = f"{self.connection.host}{path}?{urlencode(params)}"
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=timeout_s + 30)
+        async with self._session.get(url, headers=self._headers(), timeout=timeout) as resp:
+            if resp.status >= 400:
+                text = await resp.text()
+                raise ApiError(status=resp.status, reason=resp.reason or "", message=text[:2000])
+            async for line in resp.content:
+                if line.strip():
+                    yield json.loads(line)
 
     async def create(self, path: str, obj: Obj, *, dry_run: bool = False) -> Obj:
         return await self.request("POST", path, body=obj, params={"dryRun": "All"} if dry_run else None)

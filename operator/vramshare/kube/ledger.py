@@ -1,30 +1,43 @@
 """The reservation ledger in the API server, with an atomic commit that holds across webhook replicas.
 
-Commit protocol (optimistic concurrency, no lock held anywhere):
+Commit protocol (optimistic concurrency, no lock held anywhere across processes):
 
-1. List GpuDevices, noting each one's resourceVersion (the GPU's *ledger token*).
-2. List GpuReservations at least as new as that list. Every reservation committed before a token
-   was written is in it, because a commit creates its reservation before it bumps the token.
+1. Read the GPUs (GpuDevices) with each one's resourceVersion: the GPU's *ledger token*.
+2. Read the active GpuReservations, complete up to every token held (see below).
 3. Decide with the pure domain.
 4. Create the GpuReservation, then bump the chosen GPU's token with a merge patch that carries the
-   resourceVersion from step 1 as a precondition.
+   token from step 1 as a precondition and names the new reservation with its own resourceVersion
+   (annotation `vramshare.io/last-reservation: <namespace>/<name>@<resourceVersion>`).
 5. If the token moved (409 Conflict: another replica committed on that GPU, or new metrics arrived),
-   delete our reservation and start again from step 1. Otherwise label it committed, so observers
-   of the ledger can tell it from a candidate that may still be withdrawn.
+   delete our reservation and start again. Otherwise label it committed (off the answer's path), so
+   observers of the ledger can tell it from a candidate that may still be withdrawn.
 
 Any commit on a GPU between our steps 1 and 4 moves its token, so two admissions can never both
-succeed on a view that misses the other. A reservation left behind by a crash between steps 4 and 5
-has no pod and expires after the TTL; it can only make the GPU look fuller, never overbooked.
+succeed on a view that misses the other.
+
+**Where the view comes from.** Each replica keeps GpuDevices and active GpuReservations in memory,
+fed by LIST+WATCH (`WatchCache`), and decides from that: no LIST per request. The view used for a
+decision is complete for every GPU's token: successful commits on one GPU are chained through its
+token, so their reservations were created in commit order, and the token names the last one with
+its creation resourceVersion R. Once the reservation stream has passed R, it holds that reservation
+and every one committed on the GPU before it. `snapshot()` waits (briefly) for the stream to pass
+every GPU's R before it hands out a view; a GPU whose token moved only by this process's own commits
+needs no wait, since those reservations are put into the view the moment they are decided. The
+reservation stream may be ahead of the device stream; that only adds reservations a decision counts.
+
+**Refusals** are decided on a consistent read (a quorum LIST of both kinds), never on the cache, so a
+pod is not refused on a view that missed released memory or a new GPU. Concurrent refusals share one
+such read, as long as it started after they arrived.
+
+**Within one process** a decision puts its reservation into the view before its first await, so the
+next decision already counts it and does not pick the same "best" GPU: requests that arrive together
+are decided together without a batching window. Commits on different GPUs run in parallel; commits
+on the same GPU are chained in order on one token.
 
 The webhook bounds its whole answer by a deadline below the API server's timeout. A commit cancelled
 by that deadline anywhere after its create withdraws the reservation (bounded by a few seconds), so
 an admission the API server gave up on leaves no booking behind; one that cannot be withdrawn (the
 API server is what made us late) expires with the controller's short TTL, as Expired/PodNeverCreated.
-
-A snapshot is reused for up to `max_age_s`, with this process's own commits applied to it (the new
-reservation, and the token the bump returned). That is safe for the same reason: a GPU whose token
-still matches has seen no commit and no new sample since; any other change turns into a conflict,
-which drops the cached snapshot. Reuse only delays seeing memory that was released meanwhile.
 """
 
 from __future__ import annotations
@@ -49,10 +62,16 @@ from vramshare.kube.resources import (
     devices_path,
     reservations_path,
 )
+from vramshare.kube.watch import WatchCache
 
 log = structlog.get_logger("vramshare.ledger")
 
 WITHDRAW_TIMEOUT_S = 3.0
+CATCH_UP_TIMEOUT_S = 2.0
+"""How long a decision waits for the reservation stream to pass every token; then a consistent read."""
+ACTIVE = f"{LABEL_ACTIVE}!=false"
+"""Only the live ledger: ended reservations are labelled inactive by the controller. A reservation
+without the label (made by hand) is counted, to be safe."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,43 +81,110 @@ class Snapshot:
     gpus: tuple[Gpu, ...]
     reservations: tuple[Reservation, ...]
     tokens: dict[str, str]
-    """GPU UUID -> resourceVersion of its GpuDevice when listed."""
+    """GPU UUID -> resourceVersion of its GpuDevice when read."""
 
 
 class CommitConflictError(Exception):
     """The GPU's ledger token moved since the snapshot: decide again on a fresh one."""
 
 
+def last_commit_version(device: GpuDevice) -> int:
+    """The creation resourceVersion of the last reservation committed on `device` (0: none yet, or
+    an annotation without it, written before vramshare recorded it: -1, so only a consistent read
+    can vouch for that GPU)."""
+    value = device.meta.annotations.get(ANNOTATION_LEDGER)
+    if not value:
+        return 0
+    _, _, version = value.rpartition("@")
+    return int(version) if version.isdigit() else -1
+
+
+def _reservation_key(namespace: str, name: str) -> str:
+    return f"{namespace}/{name}"
+
+
 class KubeLedger:
-    def __init__(
-        self, kube: KubeClient, *, max_age_s: float = 1.0, clock: Callable[[], float] = time.monotonic
-    ) -> None:
+    def __init__(self, kube: KubeClient, *, clock: Callable[[], float] = time.monotonic) -> None:
         self.kube = kube
-        self.max_age_s = max_age_s
         self.clock = clock
-        self._cached: Snapshot | None = None
-        self._cached_at = 0.0
+        self.devices: WatchCache[GpuDevice] = WatchCache(
+            kube, devices_path(), decode=GpuDevice.from_wire, name="gpudevices"
+        )
+        self.reservations: WatchCache[Reservation] = WatchCache(
+            kube,
+            reservations_path(),
+            decode=lambda o: GpuReservation.from_wire(o).to_domain(),
+            label_selector=ACTIVE,
+            name="gpureservations",
+        )
+        self._own_tokens: dict[str, str] = {}
+        """GPU UUID -> the token this process's last commit on it returned (no wait needed there)."""
+        self._successor: dict[str, dict[str, str]] = {}
+        """GPU UUID -> {token: the token our commit on it returned}, to chain our own commits."""
+        self._gpu_locks: dict[str, asyncio.Lock] = {}
+        self._fresh_lock = asyncio.Lock()
+        self._fresh: tuple[float, Snapshot] | None = None
+        self._background: set[asyncio.Task[None]] = set()
+        self.consistent_reads = 0
+        self.catch_up_waits = 0
+
+    async def run(self) -> None:
+        """Keep both caches fed until cancelled."""
+        await asyncio.gather(self.devices.run(), self.reservations.run())
+
+    @property
+    def synced(self) -> bool:
+        return self.devices.synced.is_set() and self.reservations.synced.is_set()
 
     async def snapshot(self, *, fresh: bool = False) -> Snapshot:
-        """The cached view while it is young enough; with `fresh`, a consistent read (slower), as a
-        refusal deserves: it must not come from a view that missed released memory or new GPUs."""
-        if not fresh and self._cached is not None and self.clock() - self._cached_at < self.max_age_s:
-            return self._cached
-        self._cached = await self._read(consistent=fresh)
-        self._cached_at = self.clock()
-        return self._cached
+        """The cached view, complete for every token in it; with `fresh`, a consistent read (slower),
+        as a refusal deserves."""
+        if fresh or not self.synced:
+            return await self._consistent()
+        needed = max((self._needed(d) for d in self.devices.items.values()), default=0)
+        if needed < 0:
+            return await self._consistent()
+        if self.reservations.resource_version < needed:
+            self.catch_up_waits += 1
+            if not await self.reservations.wait_for(needed, timeout_s=CATCH_UP_TIMEOUT_S):
+                log.warning("reservation stream behind the GPU tokens; reading consistently", needed=needed)
+                return await self._consistent()
+        return self._view()
 
-    async def _read(self, *, consistent: bool) -> Snapshot:
-        # Both reads come from the API server's cache, without its wait for a fresh etcd revision
-        # (tens of ms per LIST). The devices may be slightly stale: a stale token only turns into a
-        # conflict at commit. The reservations are read at least as new as the devices' list, so every
-        # reservation committed before any token we hold is in them.
-        devices = await self.kube.list(devices_path(), resource_version=None if consistent else "0")
-        # Only the live ledger: ended reservations are labelled inactive by the controller. A reservation
-        # without the label (made by hand) is counted, to be safe.
+    def _needed(self, device: GpuDevice) -> int:
+        if self._own_tokens.get(device.spec.uuid) == device.ledger_token:
+            return 0  # moved only by our own commits, whose reservations are in the view already
+        return last_commit_version(device)
+
+    def _view(self) -> Snapshot:
+        gpus, tokens = [], {}
+        for device in self.devices.items.values():
+            gpu = device.to_domain()
+            if gpu is not None:
+                gpus.append(gpu)
+                tokens[gpu.uuid] = device.ledger_token
+        return Snapshot(gpus=tuple(gpus), reservations=tuple(self.reservations.items.values()), tokens=tokens)
+
+    async def _consistent(self) -> Snapshot:
+        """A quorum read of both kinds. Callers that arrive while one is in flight wait for it and then
+        share the next one, so a storm of refusals makes one read at a time, each fresh for its
+        waiters."""
+        arrived = self.clock()
+        async with self._fresh_lock:
+            if self._fresh is not None and self._fresh[0] >= arrived:
+                return self._fresh[1]
+            started = self.clock()
+            snapshot = await self._read()
+            self._fresh = (started, snapshot)
+            self.consistent_reads += 1
+            return snapshot
+
+    async def _read(self) -> Snapshot:
+        devices = await self.kube.list(devices_path())
+        # At least as new as the devices' list: every reservation committed before a token we hold.
         listed = await self.kube.list(
             reservations_path(),
-            label_selector=f"{LABEL_ACTIVE}!=false",
+            label_selector=ACTIVE,
             resource_version=devices["metadata"]["resourceVersion"],
             not_older_than=True,
         )
@@ -110,7 +196,14 @@ class KubeLedger:
                 gpus.append(gpu)
                 tokens[gpu.uuid] = device.ledger_token
         reservations = tuple(GpuReservation.from_wire(o).to_domain() for o in listed.get("items", []))
-        return Snapshot(gpus=tuple(gpus), reservations=reservations, tokens=tokens)
+        # This process's reservations decided but not yet created count too.
+        listed_names = {(r.namespace, r.name) for r in reservations}
+        pending = tuple(
+            r
+            for r in self.reservations.items.values()
+            if r.reserved_at == 0.0 and (r.namespace, r.name) not in listed_names
+        )
+        return Snapshot(gpus=tuple(gpus), reservations=reservations + pending, tokens=tokens)
 
     async def get_reservation(self, namespace: str, name: str) -> GpuReservation | None:
         try:
@@ -150,43 +243,70 @@ class KubeLedger:
         return bool(pods.get("items"))
 
     async def commit(self, *, reservation: GpuReservation, token: str) -> GpuReservation:
-        """Create `reservation` and bump its GPU's token; `CommitConflictError` when it moved."""
+        """Create `reservation` and bump its GPU's token; `CommitConflictError` when it moved.
+
+        Call it right after deciding, with no await in between: the reservation joins this process's
+        view at once, before the first await, so the next decision counts it."""
         gpu_uuid = reservation.spec.gpu_uuid
-        created = GpuReservation.from_wire(
-            await self.kube.create(reservations_path(reservation.namespace), reservation.to_wire())
-        )
+        key = _reservation_key(reservation.namespace, reservation.name)
+        self.reservations.put(key, reservation.to_domain())  # reserved_at 0.0: decided, not created
+        try:
+            async with self._gpu_locks.setdefault(gpu_uuid, asyncio.Lock()):
+                # Our own commits on this GPU since the decision moved its token; they are in the view
+                # the decision was made on, so the chain's last token is as good as the decided one.
+                chain = self._successor.setdefault(gpu_uuid, {})
+                while token in chain:
+                    token = chain[token]
+                return await self._create_and_bump(reservation, key=key, token=token)
+        except BaseException:
+            self.reservations.drop(key)
+            raise
+
+    async def _create_and_bump(self, reservation: GpuReservation, *, key: str, token: str) -> GpuReservation:
+        gpu_uuid = reservation.spec.gpu_uuid
+        created_obj = await self.kube.create(reservations_path(reservation.namespace), reservation.to_wire())
+        created = GpuReservation.from_wire(created_obj)
         try:
             bumped = await self.kube.merge_patch(
                 devices_path(device_name(gpu_uuid)),
-                {"metadata": {"resourceVersion": token, "annotations": {ANNOTATION_LEDGER: created.key}}},
+                {
+                    "metadata": {
+                        "resourceVersion": token,
+                        "annotations": {ANNOTATION_LEDGER: f"{created.key}@{created.meta.resource_version}"},
+                    }
+                },
             )
-            try:
-                await self.kube.merge_patch(
-                    reservations_path(created.namespace, created.name),
-                    {"metadata": {"labels": {LABEL_COMMITTED: "true"}}},
-                )
-            except ApiError as exc:  # the booking stands either way; only its label lags
-                log.warning("reservation committed but not labelled", reservation=created.key, error=str(exc))
         except ApiError as exc:
-            self._cached = None
             await self._withdraw(created)
             if exc.conflict or exc.not_found:
                 raise CommitConflictError(f"GPU {gpu_uuid} changed while deciding") from exc
             raise
         except BaseException:
-            # Cancelled (the answer's deadline passed) or failed anywhere before the admission is
-            # answered: nobody will be told of this booking, so it must not stand.
-            self._cached = None
+            # Cancelled (the answer's deadline passed) or failed before the admission is answered:
+            # nobody will be told of this booking, so it must not stand.
             await self._withdraw(created)
             raise
-        if self._cached is not None:  # our own commit, applied to the snapshot we keep
-            cached = self._cached
-            self._cached = Snapshot(
-                gpus=cached.gpus,
-                reservations=(*cached.reservations, created.to_domain()),
-                tokens={**cached.tokens, gpu_uuid: bumped["metadata"]["resourceVersion"]},
-            )
+        new_token = bumped["metadata"]["resourceVersion"]
+        chain = self._successor.setdefault(gpu_uuid, {})
+        chain[token] = new_token
+        if len(chain) > 256:  # decisions older than that many own commits conflict and decide again
+            del chain[next(iter(chain))]
+        self._own_tokens[gpu_uuid] = new_token
+        self.reservations.put(key, created.to_domain())
+        self.devices.put(f"/{device_name(gpu_uuid)}", GpuDevice.from_wire(bumped))
+        task = asyncio.get_running_loop().create_task(self._label_committed(created))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
         return created
+
+    async def _label_committed(self, created: GpuReservation) -> None:
+        try:
+            await self.kube.merge_patch(
+                reservations_path(created.namespace, created.name),
+                {"metadata": {"labels": {LABEL_COMMITTED: "true"}}},
+            )
+        except (ApiError, OSError, TimeoutError) as exc:  # the booking stands either way; only its label lags
+            log.warning("reservation committed but not labelled", reservation=created.key, error=str(exc))
 
     async def _withdraw(self, created: GpuReservation) -> None:
         """Delete a booking nobody will use, within a few seconds; one that cannot be deleted (the API

@@ -4,8 +4,11 @@ and the snapshot cache."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 
 import pytest
+import pytest_asyncio
 
 from tests.unit.domain.builders import NOW, gpu
 from tests.unit.fake_kube import FakeKube
@@ -44,34 +47,106 @@ def reservations(kube: FakeKube) -> list[str]:
     return [p for p in kube.objects if p.startswith(reservations_path("jobs") + "/")]
 
 
-async def test_commit_books_labels_and_moves_the_gpus_token() -> None:
+def lists(kube: FakeKube) -> int:
+    return sum(op == "list" for op, _ in kube.calls)
+
+
+@pytest_asyncio.fixture(loop_scope="function")  # the test's own loop, so the watch runs during it
+async def running() -> AsyncIterator[tuple[FakeKube, KubeLedger]]:
+    """A ledger whose watch caches are fed from the fake API server."""
     kube = await cluster()
-    ledger = KubeLedger(kube)
+    ledger = KubeLedger(kube)  # type: ignore[arg-type]
+    task = asyncio.create_task(ledger.run())
+    await asyncio.wait_for(ledger.devices.synced.wait(), 2)
+    await asyncio.wait_for(ledger.reservations.synced.wait(), 2)
+    yield kube, ledger
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+async def settle() -> None:
+    """Let the watch streams deliver what was just written."""
+    await asyncio.sleep(0.05)
+
+
+async def test_commit_books_labels_and_moves_the_gpus_token(running: tuple[FakeKube, KubeLedger]) -> None:
+    kube, ledger = running
     snap = await ledger.snapshot()
     token = snap.tokens[GPU.uuid]
-    await ledger.commit(reservation=booking(), token=token)
+    created = await ledger.commit(reservation=booking(), token=token)
+    await settle()
     (path,) = reservations(kube)
     assert kube.objects[path]["metadata"]["labels"][LABEL_COMMITTED] == "true"
-    assert kube.objects[DEVICE]["metadata"]["annotations"][ANNOTATION_LEDGER] == "jobs/task-1"
+    assert kube.objects[DEVICE]["metadata"]["annotations"][ANNOTATION_LEDGER] == (
+        f"jobs/task-1@{created.meta.resource_version}"
+    )
     assert kube.objects[DEVICE]["metadata"]["resourceVersion"] != token
 
 
-async def test_a_moved_token_withdraws_the_booking_and_drops_the_cache() -> None:
-    kube = await cluster()
-    ledger = KubeLedger(kube, max_age_s=60)
+async def test_decisions_read_the_watch_not_the_api(running: tuple[FakeKube, KubeLedger]) -> None:
+    kube, ledger = running
+    before = lists(kube)
+    for _ in range(5):
+        await ledger.snapshot()
+    assert lists(kube) == before
+    # Another replica's commit reaches the view through the watch.
+    other = booking("other-1")
+    created = await kube.create(reservations_path("jobs"), other.to_wire())
+    await kube.merge_patch(
+        DEVICE,
+        {
+            "metadata": {
+                "annotations": {ANNOTATION_LEDGER: f"jobs/other-1@{created['metadata']['resourceVersion']}"}
+            }
+        },
+    )
+    await settle()
+    assert [r.name for r in (await ledger.snapshot()).reservations] == ["other-1"]
+    assert lists(kube) == before
+
+
+async def test_a_view_behind_a_gpus_token_is_not_handed_out(
+    running: tuple[FakeKube, KubeLedger], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A token that names a reservation the stream has not delivered yet: wait, then read consistently."""
+    kube, ledger = running
+    monkeypatch.setattr("vramshare.kube.ledger.CATCH_UP_TIMEOUT_S", 0.05)
+    await kube.merge_patch(DEVICE, {"metadata": {"annotations": {ANNOTATION_LEDGER: "jobs/ahead@999999"}}})
+    await settle()
+    before = lists(kube)
+    await ledger.snapshot()
+    assert lists(kube) == before + 2  # the consistent read: devices, then reservations
+    assert ledger.catch_up_waits == 1
+
+
+async def test_own_decisions_join_the_view_before_their_commit_completes(
+    running: tuple[FakeKube, KubeLedger],
+) -> None:
+    kube, ledger = running
+    token = (await ledger.snapshot()).tokens[GPU.uuid]
+    first = asyncio.create_task(ledger.commit(reservation=booking("a"), token=token))
+    second = asyncio.create_task(ledger.commit(reservation=booking("b"), token=token))
+    await asyncio.sleep(0)
+    assert {r.name for r in (await ledger.snapshot()).reservations} == {"a", "b"}
+    # Both decided on the same token: the second is chained after the first, no conflict.
+    await asyncio.gather(first, second)
+    assert len(reservations(kube)) == 2
+
+
+async def test_a_moved_token_withdraws_the_booking(running: tuple[FakeKube, KubeLedger]) -> None:
+    kube, ledger = running
     snap = await ledger.snapshot()
     await kube.merge_patch(DEVICE, {"metadata": {"annotations": {"other": "commit"}}})  # another replica
     with pytest.raises(CommitConflictError):
         await ledger.commit(reservation=booking(), token=snap.tokens[GPU.uuid])
+    await settle()
     assert reservations(kube) == []
-    lists = sum(op == "list" for op, _ in kube.calls)
-    await ledger.snapshot()
-    assert sum(op == "list" for op, _ in kube.calls) == lists + 2  # read again, not the cache
+    assert [r.name for r in (await ledger.snapshot()).reservations] == []
 
 
-async def test_a_vanished_gpu_is_a_conflict_and_withdraws() -> None:
-    kube = await cluster()
-    ledger = KubeLedger(kube)
+async def test_a_vanished_gpu_is_a_conflict_and_withdraws(running: tuple[FakeKube, KubeLedger]) -> None:
+    kube, ledger = running
     snap = await ledger.snapshot()
     await kube.delete(DEVICE)
     with pytest.raises(CommitConflictError):
@@ -79,9 +154,10 @@ async def test_a_vanished_gpu_is_a_conflict_and_withdraws() -> None:
     assert reservations(kube) == []
 
 
-async def test_an_api_error_on_the_token_withdraws_and_propagates() -> None:
-    kube = await cluster()
-    ledger = KubeLedger(kube)
+async def test_an_api_error_on_the_token_withdraws_and_propagates(
+    running: tuple[FakeKube, KubeLedger],
+) -> None:
+    kube, ledger = running
     snap = await ledger.snapshot()
     kube.fail = lambda op, path: (
         ApiError(status=500, reason="InternalError", message="etcd timeout") if path == DEVICE else None
@@ -91,50 +167,41 @@ async def test_an_api_error_on_the_token_withdraws_and_propagates() -> None:
     assert reservations(kube) == []
 
 
-async def test_cancellation_mid_commit_withdraws_the_booking() -> None:
-    kube = await cluster()
-    ledger = KubeLedger(kube)
+async def test_cancellation_mid_commit_withdraws_the_booking(running: tuple[FakeKube, KubeLedger]) -> None:
+    kube, ledger = running
     snap = await ledger.snapshot()
-    kube.fail = lambda op, path: asyncio.CancelledError() if path == DEVICE else None
+    kube.fail = lambda op, path: asyncio.CancelledError() if path == DEVICE and op == "merge_patch" else None
     with pytest.raises(asyncio.CancelledError):
         await ledger.commit(reservation=booking(), token=snap.tokens[GPU.uuid])
     assert reservations(kube) == []
+    assert [r.name for r in (await ledger.snapshot()).reservations] == []
 
 
-async def test_the_cached_snapshot_carries_own_commits_until_it_ages() -> None:
-    kube = await cluster()
-    now = [0.0]
-    ledger = KubeLedger(kube, max_age_s=1.0, clock=lambda: now[0])
+async def test_concurrent_refusals_share_one_consistent_read(running: tuple[FakeKube, KubeLedger]) -> None:
+    kube, ledger = running
+    before = lists(kube)
+    # The first read starts before the others arrive; they share the next one (two reads of two LISTs).
+    await asyncio.gather(*(ledger.snapshot(fresh=True) for _ in range(8)))
+    assert lists(kube) == before + 4
+    await ledger.snapshot(fresh=True)  # a later refusal gets a read of its own
+    assert lists(kube) == before + 6
+
+
+async def test_reservations_labelled_inactive_leave_the_view(running: tuple[FakeKube, KubeLedger]) -> None:
+    kube, ledger = running
     snap = await ledger.snapshot()
     await ledger.commit(reservation=booking(), token=snap.tokens[GPU.uuid])
-    lists = sum(op == "list" for op, _ in kube.calls)
-    cached = await ledger.snapshot()
-    assert sum(op == "list" for op, _ in kube.calls) == lists  # served from the cache
-    assert [r.name for r in cached.reservations] == ["task-1"]
-    assert cached.tokens[GPU.uuid] == kube.objects[DEVICE]["metadata"]["resourceVersion"]
-    # The cached token is the real one: a second commit on it succeeds.
-    await ledger.commit(reservation=booking("task-2"), token=cached.tokens[GPU.uuid])
-    assert len(reservations(kube)) == 2
-    await ledger.snapshot(fresh=True)
-    assert sum(op == "list" for op, _ in kube.calls) == lists + 2  # a refusal's read is never cached
-    now[0] = 5.0
-    await ledger.snapshot()
-    assert sum(op == "list" for op, _ in kube.calls) == lists + 4
-
-
-async def test_reservations_labelled_inactive_are_not_counted() -> None:
-    kube = await cluster()
-    ledger = KubeLedger(kube)
-    snap = await ledger.snapshot()
-    await ledger.commit(reservation=booking(), token=snap.tokens[GPU.uuid])
+    await settle()
     (path,) = reservations(kube)
     await kube.merge_patch(path, {"metadata": {"labels": {"vramshare.io/active": "false"}}})
+    await settle()
+    assert (await ledger.snapshot()).reservations == ()
     assert (await ledger.snapshot(fresh=True)).reservations == ()
 
 
 async def test_a_booking_is_taken_up_by_one_reinvocation_only() -> None:
     kube = await cluster()
-    ledger = KubeLedger(kube)
+    ledger = KubeLedger(kube)  # type: ignore[arg-type]
     snap = await ledger.snapshot()
     created = await ledger.commit(reservation=booking(), token=snap.tokens[GPU.uuid])
     current = await ledger.get_reservation("jobs", "task-1")

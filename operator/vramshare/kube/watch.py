@@ -1,0 +1,181 @@
+"""An in-memory copy of one kind of object, fed by LIST then WATCH: what decisions read instead of a
+LIST per request.
+
+The loop lists (in pages), then watches from the list's resourceVersion with bookmarks. A broken
+stream resumes from the last resourceVersion seen; a 410 Gone (the API server no longer has that
+history) lists again. `resource_version` only ever advances from the stream (list, events,
+bookmarks), so "the cache has every event up to `resource_version`" holds at all times: that is what
+the ledger's safety argument rests on (see vramshare.kube.ledger). Objects are decoded once, when they
+arrive, not at every decision.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Generic, TypeVar
+
+import structlog
+
+from vramshare.kube.client import ApiError, KubeClient, Obj
+
+log = structlog.get_logger("vramshare.watch")
+
+T = TypeVar("T")
+
+PAGE = 5000
+
+
+def version(obj: Obj) -> int:
+    """An object's resourceVersion as a number (etcd's revision; 0 when absent)."""
+    raw = (obj.get("metadata") or {}).get("resourceVersion") or "0"
+    try:
+        return int(raw)
+    except ValueError:
+        return 0
+
+
+def key_of(obj: Obj) -> str:
+    meta = obj["metadata"]
+    return f"{meta.get('namespace') or ''}/{meta['name']}"
+
+
+class WatchCache(Generic[T]):
+    def __init__(
+        self,
+        kube: KubeClient,
+        path: str,
+        *,
+        decode: Callable[[Obj], T],
+        label_selector: str | None = None,
+        name: str = "",
+        watch_timeout_s: int = 300,
+    ) -> None:
+        self.kube = kube
+        self.path = path
+        self.decode = decode
+        self.label_selector = label_selector
+        self.name = name or path
+        self.watch_timeout_s = watch_timeout_s
+        self.items: dict[str, T] = {}
+        self.resource_version = 0
+        """Every event up to this resourceVersion is applied (advanced by the stream only)."""
+        self.synced = asyncio.Event()
+        self.relists = 0
+        self._progress = asyncio.Condition()
+        self._on_change: list[Callable[[str, T | None], None]] = []
+
+    def on_change(self, callback: Callable[[str, T | None], None]) -> None:
+        """Call `callback(key, item or None when deleted)` for every change the stream brings."""
+        self._on_change.append(callback)
+
+    async def run(self) -> None:
+        """List, then watch until cancelled; never returns otherwise."""
+        backoff = 0.2
+        while True:
+            try:
+                if not self.synced.is_set() or self.resource_version == 0:
+                    await self._list()
+                await self._watch()
+                backoff = 0.2
+            except _GoneError:
+                self._gone()
+            except ApiError as exc:
+                if exc.status == 410:
+                    self._gone()
+                    continue
+                log.warning("watch interrupted; resuming", cache=self.name, error=str(exc)[:200])
+                await asyncio.sleep(backoff)
+                backoff = min(5.0, backoff * 2)
+            except (OSError, TimeoutError, ValueError) as exc:
+                log.warning("watch interrupted; resuming", cache=self.name, error=str(exc)[:200])
+                await asyncio.sleep(backoff)
+                backoff = min(5.0, backoff * 2)
+
+    def _gone(self) -> None:
+        self.relists += 1
+        log.info("watch history expired: listing again", cache=self.name)
+        self.synced.clear()
+
+    async def _list(self) -> None:
+        items: dict[str, T] = {}
+        token: str | None = None
+        listed_version = "0"
+        while True:
+            page = await self.kube.list(
+                self.path, label_selector=self.label_selector, limit=PAGE, continue_token=token
+            )
+            for obj in page.get("items", []):
+                items[key_of(obj)] = self.decode(obj)
+            meta = page.get("metadata") or {}
+            listed_version = meta.get("resourceVersion") or listed_version
+            token = meta.get("continue")
+            if not token:
+                break
+        gone = set(self.items) - set(items)
+        self.items = items
+        self.resource_version = int(listed_version)
+        for key in gone:
+            self._notify(key, None)
+        for key, item in items.items():
+            self._notify(key, item)
+        self.synced.set()
+        await self._advance()
+
+    async def _watch(self) -> None:
+        async for event in self.kube.watch(
+            self.path,
+            resource_version=str(self.resource_version),
+            label_selector=self.label_selector,
+            timeout_s=self.watch_timeout_s,
+        ):
+            kind, obj = event.get("type"), event.get("object") or {}
+            if kind == "ERROR":
+                if obj.get("code") == 410:
+                    raise _GoneError
+                raise ApiError(
+                    status=int(obj.get("code") or 500),
+                    reason=str(obj.get("reason", "")),
+                    message=str(obj.get("message", "")),
+                )
+            if kind in ("ADDED", "MODIFIED"):
+                key = key_of(obj)
+                item = self.decode(obj)
+                self.items[key] = item
+                self._notify(key, item)
+            elif kind == "DELETED":
+                key = key_of(obj)
+                self.items.pop(key, None)
+                self._notify(key, None)
+            self.resource_version = max(self.resource_version, version(obj))
+            await self._advance()
+
+    def _notify(self, key: str, item: T | None) -> None:
+        for callback in self._on_change:
+            callback(key, item)
+
+    async def _advance(self) -> None:
+        async with self._progress:
+            self._progress.notify_all()
+
+    async def wait_for(self, resource_version: int, *, timeout_s: float) -> bool:
+        """Wait until the stream has passed `resource_version`; False if it did not within the time."""
+        if self.resource_version >= resource_version:
+            return True
+        try:
+            async with asyncio.timeout(timeout_s), self._progress:
+                await self._progress.wait_for(lambda: self.resource_version >= resource_version)
+        except TimeoutError:
+            return False
+        return True
+
+    def put(self, key: str, item: T) -> None:
+        """This process's own write, known before its event arrives (the event overwrites it)."""
+        self.items[key] = item
+
+    def drop(self, key: str) -> None:
+        self.items.pop(key, None)
+
+
+class _GoneError(Exception):
+    """The watch's resourceVersion is older than the API server's history: list again."""
