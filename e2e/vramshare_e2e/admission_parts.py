@@ -2,6 +2,7 @@
 
 - `label` and `sidecar`: small but real mutating webhooks over TLS, as Kyverno mutations and sidecar
   injectors are. Registered after vramshare, they make the API server reinvoke vramshare.
+- `null`: a TLS webhook that allows at once, the benchmark's measure of what a webhook call costs.
 - `delay-proxy`: a TCP proxy in front of a webhook that holds its answers back, so the API server gives
   up on the call while the webhook goes on (what a slow network or an overloaded node does).
 
@@ -32,6 +33,8 @@ SIDECAR = "e2e-proxy"
 
 def mutation(mode: str, pod: dict[str, Any]) -> list[dict[str, Any]]:
     """The JSON Patch each fake webhook applies (nothing when it has already applied it)."""
+    if mode == "null":  # allows at once: what a webhook call costs by itself
+        return []
     if mode == "label":
         labels = (pod.get("metadata") or {}).get("labels") or {}
         if labels.get(INJECTED_LABEL) == "yes":
@@ -111,7 +114,7 @@ async def delay_proxy(*, listen: int, target: int, delay_s: float) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="vramshare_e2e.admission_parts")
-    parser.add_argument("mode", choices=["label", "sidecar", "delay-proxy"])
+    parser.add_argument("mode", choices=["label", "sidecar", "null", "delay-proxy"])
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--cert")
     parser.add_argument("--key")
@@ -138,7 +141,8 @@ def _start(cluster: LocalCluster, *, name: str, args: list[str], ready: Callable
 
 
 def start_mutating_webhook(cluster: LocalCluster, *, mode: str) -> int:
-    """Start the `label` or `sidecar` webhook and register it after vramshare; returns its port."""
+    """Start the `label`, `sidecar` or `null` webhook and register it after vramshare (for namespaces
+    labelled `e2e.vramshare.io/<mode>=on`); returns its port."""
     port = free_port()
     pair = cluster.ca.issue(f"e2e-{mode}", common_name=f"e2e-{mode}", server_ips=("127.0.0.1",))
     ctx = ssl.create_default_context()

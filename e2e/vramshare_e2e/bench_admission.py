@@ -1,12 +1,15 @@
 """`make bench-admission`: what vramshare adds to pod creation, against a no-webhook baseline measured
 in the same run on the same API server, and how the pure decision grows with the fleet and the ledger.
 
-1. At each concurrency level, create pods twice: plain pods in a namespace no webhook sees (the
-   baseline), and annotated pods through two webhook replicas (reservations committed). Report
-   p50/p95/p99 create latency and throughput for both and their ratios, the webhooks' own decision
-   latency and conflict retries, and the peak resident memory of the webhook and controller processes.
-2. Time `choose()` with headroom as GPUs (8 ... 4096) and active reservations (100 ... 100 000) grow,
-   and the webhook's end-to-end decision with many reservations present in the API server.
+1. At each concurrency level (1, 16, 64), create pods three times: plain pods in a namespace no
+   webhook sees (the baseline), pods through a null TLS webhook that allows at once (the cost of a
+   webhook call itself), and annotated pods through two vramshare replicas (reservations committed).
+   Report p50/p95/p99 create latency and throughput for each, vramshare's ratios against both, the
+   webhooks' own decision latency, conflict retries, consistent reads, API writes per admission, and
+   peak resident memory.
+2. Fill the ledger to 10 000 and then 100 000 active reservations and measure pod creation against
+   plain pods, the decision, and the webhook's resident memory.
+3. Time `choose()` with headroom as GPUs (8 ... 4096) and active reservations (100 ... 100 000) grow.
 
     python -m vramshare_e2e.bench_admission [--smoke] [--out bench/results]
 """
@@ -28,6 +31,7 @@ from typing import Any
 from kubernetes import client, config
 
 from vramshare.domain import AllocationRequest, AllocationSettings, Gpu, Reservation, ReservationPhase, choose
+from vramshare_e2e.admission_parts import start_mutating_webhook
 from vramshare_e2e.cluster import LocalCluster
 from vramshare_e2e.components import start_controller, start_webhook, webhook_configuration
 
@@ -130,6 +134,30 @@ def _clean(cluster: LocalCluster, namespaces: list[str]) -> None:
         cluster.kubectl("delete", "gpureservations", "--all", "-n", ns, "--wait=false")
 
 
+def _rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return round(int(line.split()[1]) / 1024, 1)
+    return float("nan")
+
+
+def _ratios(row: dict[str, float], against: dict[str, float]) -> dict[str, float]:
+    return {
+        "ratio_p50": round(row["p50_ms"] / against["p50_ms"], 2),
+        "ratio_p99": round(row["p99_ms"] / against["p99_ms"], 2),
+        "throughput_ratio": round(row["pods_per_s"] / against["pods_per_s"], 2),
+    }
+
+
+def _writes(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for key, value in after.items():
+        m = re.match(r'vramshare_webhook_api_writes_total\{resource="([^"]+)",verb="([^"]+)"\}', key)
+        if m:
+            out[f"{m.group(1)}/{m.group(2)}"] = value - before.get(key, 0.0)
+    return out
+
+
 def admission(*, smoke: bool, show: Callable[[str], None]) -> dict[str, Any]:
     levels = [1, 4] if smoke else [1, 16, 64]
     pods = 12 if smoke else 240
@@ -138,6 +166,7 @@ def admission(*, smoke: bool, show: Callable[[str], None]) -> dict[str, Any]:
         env = {"VRAMSHARE_LOG_LEVEL": "warning", "VRAMSHARE_SAFETY_MARGIN_MIB": "0"}
         ports = [start_webhook(cluster, name=f"webhook-{s}", env=env)[1] for s in ("a", "b")]
         cluster.apply_objects([webhook_configuration(cluster, ports={"a": ports[0], "b": ports[1]})])
+        start_mutating_webhook(cluster, mode="null")
         start_controller(
             cluster,
             name="controller",
@@ -145,6 +174,7 @@ def admission(*, smoke: bool, show: Callable[[str], None]) -> dict[str, Any]:
         )
         for ns, labels in (
             ("plain", {}),
+            ("null", {"e2e.vramshare.io/null": "on"}),
             ("gpu-a", {"vramshare-e2e/shard": "a"}),
             ("gpu-b", {"vramshare-e2e/shard": "b"}),
         ):
@@ -158,59 +188,61 @@ def admission(*, smoke: bool, show: Callable[[str], None]) -> dict[str, Any]:
         )
         api = config.new_client_from_config(config_file=str(cluster.kubeconfig))  # type: ignore[no-untyped-call]
         core = client.CoreV1Api(api)
-        # Warm up both paths (connections, caches, the webhooks' first LISTs).
+        spaces = ["plain", "null", "gpu-a", "gpu-b"]
+        # Warm up every path (connections, caches).
         _create_all(core, ["plain"], 4, 2, False, "warm")
+        _create_all(core, ["null"], 4, 2, False, "warm")
         _create_all(core, ["gpu-a", "gpu-b"], 4, 2, True, "warm")
-        _clean(cluster, ["plain", "gpu-a", "gpu-b"])
+        _clean(cluster, spaces)
         for level in levels:
-            show(f"concurrency {level}: {pods} plain pods, then {pods} GPU pods through 2 webhook replicas")
+            show(f"concurrency {level}: {pods} plain pods, {pods} through a null webhook, {pods} GPU pods")
             base_lat, base_wall, base_err = _create_all(core, ["plain"], pods, level, False, f"b{level}")
+            null_lat, null_wall, null_err = _create_all(core, ["null"], pods, level, False, f"n{level}")
             before = _webhook_metrics(ports)
             vs_lat, vs_wall, vs_err = _create_all(core, ["gpu-a", "gpu-b"], pods, level, True, f"v{level}")
             after = _webhook_metrics(ports)
-            base, vs = _stats(base_lat, base_wall), _stats(vs_lat, vs_wall)
+            base, null, vs = _stats(base_lat, base_wall), _stats(null_lat, null_wall), _stats(vs_lat, vs_wall)
+            admitted = pods - vs_err
+            writes = _writes(before, after)
             result["levels"][str(level)] = {
                 "baseline": base,
+                "null_webhook": null,
                 "vramshare": vs,
-                "ratio_p50": round(vs["p50_ms"] / base["p50_ms"], 2),
-                "ratio_p99": round(vs["p99_ms"] / base["p99_ms"], 2),
-                "errors": {"baseline": base_err, "vramshare": vs_err},
+                **_ratios(vs, base),
+                "against_null_webhook": _ratios(vs, null),
+                "errors": {"baseline": base_err, "null_webhook": null_err, "vramshare": vs_err},
                 "webhook_decision": _decision_quantiles(before, after),
                 "conflicts_retried": after.get("vramshare_webhook_commit_conflicts_total", 0)
                 - before.get("vramshare_webhook_commit_conflicts_total", 0),
+                "consistent_reads": after.get("vramshare_webhook_consistent_reads_total", 0)
+                - before.get("vramshare_webhook_consistent_reads_total", 0),
+                "api_writes": writes,
+                "api_writes_per_admission": round(sum(writes.values()) / admitted, 2) if admitted else None,
             }
-            _clean(cluster, ["plain", "gpu-a", "gpu-b"])
+            _clean(cluster, spaces)
             time.sleep(2)
         result["peak_rss_mib"] = {
             name: _peak_rss_mib(cluster.components[name].process.pid)  # type: ignore[union-attr]
             for name in ("webhook-a", "webhook-b", "controller")
         }
-        count = 300 if smoke else 10_000
-        # History first (ended reservations, kept for the retention period), then the same number live.
-        result["with_many_reservations"] = {
-            "history": _many_reservations(cluster, core, ports, count=count, active=False, show=show),
-            "active": _many_reservations(cluster, core, ports, count=count, active=True, show=show),
-        }
+        result["scale"] = []
+        made = 0
+        for count in [300, 1_000] if smoke else [10_000, 100_000]:
+            result["scale"].append(_at_scale(cluster, core, ports, have=made, count=count, show=show))
+            made = count
     return result
 
 
-def _many_reservations(
-    cluster: LocalCluster,
-    core: Any,
-    ports: list[int],
-    *,
-    count: int,
-    active: bool,
-    show: Callable[[str], None],
+def _at_scale(
+    cluster: LocalCluster, core: Any, ports: list[int], *, have: int, count: int, show: Callable[[str], None]
 ) -> dict[str, Any]:
-    """The webhook's end-to-end decision with `count` more reservations present in the API server:
-    ended ones (`active=False`, labelled inactive as the controller does) or live ones."""
-    kind = "live" if active else "ended"
-    show(f"creating {count} {kind} reservations in the API server")
-    gpu = json.loads(cluster.kubectl("get", "gpudevices", "-o", "json"))["items"][0]["spec"]
+    """Pod creation and the webhook's decision with `count` active reservations in the ledger."""
+    show(f"filling the ledger to {count} active reservations")
+    gpus = [d["spec"] for d in json.loads(cluster.kubectl("get", "gpudevices", "-o", "json"))["items"]]
     custom = client.CustomObjectsApi(core.api_client)
 
     def one(i: int) -> None:
+        gpu = gpus[i % len(gpus)]
         custom.create_namespaced_custom_object(
             "vramshare.io",
             "v1alpha1",
@@ -220,8 +252,8 @@ def _many_reservations(
                 "apiVersion": "vramshare.io/v1alpha1",
                 "kind": "GpuReservation",
                 "metadata": {
-                    "name": f"{kind}-{i}",
-                    "labels": {"vramshare.io/committed": "true", "vramshare.io/active": str(active).lower()},
+                    "name": f"filler-{i}",
+                    "labels": {"vramshare.io/committed": "true", "vramshare.io/active": "true"},
                 },
                 "spec": {
                     "podName": f"filler-{i}",
@@ -234,17 +266,28 @@ def _many_reservations(
         )
 
     started = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=16) as pool:
-        list(pool.map(one, range(count)))
+    with ThreadPoolExecutor(max_workers=24) as pool:
+        for done, _ in enumerate(pool.map(one, range(have, count)), start=have + 1):
+            if done % 10_000 == 0:
+                show(f"  {done} reservations")
     show(f"  created in {time.perf_counter() - started:.0f} s")
+    time.sleep(3)  # let the webhooks' watches take them in
+    base_lat, base_wall, _ = _create_all(core, ["plain"], 40, 1, False, f"scale-b{count}")
     before = _webhook_metrics(ports)
-    lat, wall, errors = _create_all(core, ["gpu-a", "gpu-b"], 40, 1, True, f"many-{kind}")
+    lat, wall, errors = _create_all(core, ["gpu-a", "gpu-b"], 40, 1, True, f"scale-v{count}")
     after = _webhook_metrics(ports)
+    base, vs = _stats(base_lat, base_wall), _stats(lat, wall)
     return {
-        "reservations": count,
-        "create": _stats(lat, wall),
+        "active_reservations": count,
+        "baseline": base,
+        "vramshare": vs,
+        "create_ratio_p50": round(vs["p50_ms"] / base["p50_ms"], 2),
         "errors": errors,
         "webhook_decision": _decision_quantiles(before, after),
+        "webhook_rss_mib": {
+            name: _rss_mib(cluster.components[name].process.pid)  # type: ignore[union-attr]
+            for name in ("webhook-a", "webhook-b")
+        },
     }
 
 
@@ -307,22 +350,29 @@ def run(*, smoke: bool, out: Path, show: Callable[[str], None] = print) -> dict[
 
 def summary(report: dict[str, Any]) -> str:
     lines = [
-        f"Admission: {report['pods_per_level']} pods per level; baseline = plain pods, same API server",
-        f"{'conc':>4}  {'base p50':>9} {'p95':>8} {'p99':>8} {'pods/s':>7}  {'vram p50':>9} {'p95':>8} "
-        f"{'p99':>8} {'pods/s':>7}  {'r50':>5} {'r99':>5}  {'decision p50/p99':>17}  conflicts",
+        f"Admission: {report['pods_per_level']} pods per level; "
+        "plain, null webhook and vramshare on one API server",
+        f"{'conc':>4}  {'plain p50':>9} {'p99':>8} {'pods/s':>7}  {'null p50':>9} {'p99':>8}  "
+        f"{'vram p50':>9} {'p99':>8} {'pods/s':>7}  {'r50':>5} {'r99':>5} {'thr':>5}  "
+        f"{'decision p50/p99':>17}  writes/adm  conflicts",
     ]
     for level, r in report["levels"].items():
-        b, v, d = r["baseline"], r["vramshare"], r["webhook_decision"]
+        b, n, v, d = r["baseline"], r["null_webhook"], r["vramshare"], r["webhook_decision"]
         lines.append(
-            f"{level:>4}  {b['p50_ms']:>7.1f}ms {b['p95_ms']:>6.1f}ms {b['p99_ms']:>6.1f}ms "
-            f"{b['pods_per_s']:>7.1f}  {v['p50_ms']:>7.1f}ms {v['p95_ms']:>6.1f}ms {v['p99_ms']:>6.1f}ms "
-            f"{v['pods_per_s']:>7.1f}  {r['ratio_p50']:>5.2f} {r['ratio_p99']:>5.2f}  "
-            f"<={d['p50_ms_at_most']:>5.0f}/<={d['p99_ms_at_most']:>5.0f}ms  {r['conflicts_retried']:.0f}"
+            f"{level:>4}  {b['p50_ms']:>7.1f}ms {b['p99_ms']:>6.1f}ms {b['pods_per_s']:>7.1f}  "
+            f"{n['p50_ms']:>7.1f}ms {n['p99_ms']:>6.1f}ms  "
+            f"{v['p50_ms']:>7.1f}ms {v['p99_ms']:>6.1f}ms {v['pods_per_s']:>7.1f}  "
+            f"{r['ratio_p50']:>5.2f} {r['ratio_p99']:>5.2f} {r['throughput_ratio']:>5.2f}  "
+            f"<={d['p50_ms_at_most']:>5.1f}/<={d['p99_ms_at_most']:>5.1f}ms  "
+            f"{r['api_writes_per_admission']!s:>10}  {r['conflicts_retried']:.0f}"
         )
-    for kind, many in report["with_many_reservations"].items():
+    for scale in report["scale"]:
+        d = scale["webhook_decision"]
         lines.append(
-            f"with {many['reservations']} more {kind} reservations in the API server: create p50 "
-            f"{many['create']['p50_ms']:.1f} ms, decision mean {many['webhook_decision']['mean_ms']:.1f} ms"
+            f"with {scale['active_reservations']} active reservations: create p50 "
+            f"{scale['vramshare']['p50_ms']:.1f} ms ({scale['create_ratio_p50']:.2f}x plain), decision p50 "
+            f"<= {d['p50_ms_at_most']:.1f} ms (mean {d['mean_ms']:.1f} ms), "
+            f"webhook RSS {scale['webhook_rss_mib']} MiB"
         )
     lines.append(f"peak RSS MiB: {report['peak_rss_mib']}")
     lines.append(

@@ -43,14 +43,23 @@ def test_admission_smoke(tmp_path: Path) -> None:
     assert json.loads((tmp_path / "admission.json").read_text()) == report
     assert set(report["levels"]) == {"1", "4"}
     for level in report["levels"].values():
-        for side in ("baseline", "vramshare"):
+        for side in ("baseline", "null_webhook", "vramshare"):
             s = level[side]
             assert 0 < s["p50_ms"] <= s["p95_ms"] <= s["p99_ms"]
             assert s["pods_per_s"] > 0
-        assert level["errors"] == {"baseline": 0, "vramshare": 0}
+        assert level["errors"] == {"baseline": 0, "null_webhook": 0, "vramshare": 0}
         assert level["ratio_p50"] == round(level["vramshare"]["p50_ms"] / level["baseline"]["p50_ms"], 2)
+        assert level["against_null_webhook"]["ratio_p50"] == round(
+            level["vramshare"]["p50_ms"] / level["null_webhook"]["p50_ms"], 2
+        )
         assert level["webhook_decision"]["mean_ms"] > 0
+        # Every admission wrote its reservation and its GPU's token (and the committed label).
+        assert level["api_writes"]["gpureservations/create"] >= report["pods_per_level"]
+        assert level["api_writes"]["gpudevices/patch"] >= report["pods_per_level"]
+        assert level["api_writes_per_admission"] >= 2
     assert all(v > 0 for v in report["peak_rss_mib"].values())
-    for many in report["with_many_reservations"].values():
-        assert many["errors"] == 0
+    assert [s["active_reservations"] for s in report["scale"]] == [300, 1_000]
+    for scale in report["scale"]:
+        assert scale["errors"] == 0
+        assert all(v > 0 for v in scale["webhook_rss_mib"].values())
     assert all(v > 0 for v in report["decision_curve"]["ms"].values())

@@ -52,7 +52,12 @@ async def _certificates(settings: WebhookSettings, kube: KubeClient) -> tuple[Re
 async def serve(settings: WebhookSettings) -> None:
     connection = Connection.load(kubeconfig=settings.kubeconfig or None)
     async with KubeClient(connection, user_agent="vramshare-webhook") as kube:
-        ledger = KubeLedger(kube)
+        metrics = WebhookMetrics()
+        ledger = KubeLedger(
+            kube,
+            on_write=lambda resource, verb: metrics.api_writes.labels(resource, verb).inc(),
+            on_consistent_read=metrics.consistent_reads.inc,
+        )
         tls, secret = await _certificates(settings, kube)
 
         async def announce_sync() -> None:
@@ -64,7 +69,7 @@ async def serve(settings: WebhookSettings) -> None:
             # Ready once the watch caches hold the inventory and the live ledger.
             return ledger.synced and (secret is None or not secret.manage or secret.injected)
 
-        admitter = Admitter(settings=settings, ledger=ledger, metrics=WebhookMetrics())
+        admitter = Admitter(settings=settings, ledger=ledger, metrics=metrics)
         runner = web.AppRunner(create_app(admitter=admitter, ready=ready), access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, settings.host, settings.port, ssl_context=tls.context, backlog=512)

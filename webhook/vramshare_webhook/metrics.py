@@ -17,7 +17,18 @@ class WebhookMetrics:
         self.decision_seconds = Histogram(
             "vramshare_webhook_decision_seconds",
             "Time from receiving an AdmissionReview to answering it.",
-            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
+            registry=self.registry,
+        )
+        self.api_writes = Counter(
+            "vramshare_webhook_api_writes",
+            "Writes to the API server by the webhook's ledger, by resource and verb.",
+            ["resource", "verb"],
+            registry=self.registry,
+        )
+        self.consistent_reads = Counter(
+            "vramshare_webhook_consistent_reads",
+            "Quorum reads of the inventory and ledger (refusals are decided on one; concurrent ones share).",
             registry=self.registry,
         )
         self.conflicts = Counter(

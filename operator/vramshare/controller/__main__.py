@@ -20,6 +20,7 @@ from vramshare.controller.leader import LeadershipLostError, LeaseElector
 from vramshare.controller.metrics import ControllerMetrics
 from vramshare.controller.reservations import ReservationReconciler
 from vramshare.controller.settings import ControllerSettings
+from vramshare.controller.state import ClusterState
 from vramshare.kube.client import Connection, KubeClient
 from vramshare.kube.resources import GROUP, LABEL_ACTIVE, LABEL_RESERVATION, RESERVATIONS, VERSION
 from vramshare.prometheus import DcgmSource
@@ -78,9 +79,11 @@ async def run(settings: ControllerSettings) -> None:
             await elector.acquire()
             metrics.leader.set(1)
             try:
+                state = ClusterState(kube)
                 await lead(
-                    InventoryLoop(kube=kube, source=source, settings=settings, metrics=metrics),
-                    ReservationReconciler(kube=kube, settings=settings, metrics=metrics),
+                    state,
+                    InventoryLoop(kube=kube, source=source, settings=settings, metrics=metrics, state=state),
+                    ReservationReconciler(kube=kube, settings=settings, metrics=metrics, state=state),
                     elector,
                 )
             except LeadershipLostError as exc:
@@ -89,14 +92,27 @@ async def run(settings: ControllerSettings) -> None:
                 metrics.leader.set(0)
 
 
-async def lead(inventory: InventoryLoop, reconciler: ReservationReconciler, elector: LeaseElector) -> None:
-    """Run the leader's two loops (and kopf's pod watch) until one ends; re-raise why
-    (LeadershipLostError above all)."""
+async def lead(
+    state: ClusterState, inventory: InventoryLoop, reconciler: ReservationReconciler, elector: LeaseElector
+) -> None:
+    """Run the leader's two loops over the watch-fed state (and kopf's event handlers) until one ends;
+    re-raise why (LeadershipLostError above all)."""
     stop = asyncio.Event()
+
+    async def loops() -> None:
+        await state.wait_synced()
+        log.info(
+            "state synced",
+            gpus=len(state.devices.items),
+            reservations=len(state.reservations.items),
+            pods=len(state.pods.items),
+        )
+        await asyncio.gather(inventory.run(), reconciler.run(presence=lambda: inventory.presence))
+
     tasks = [
         asyncio.create_task(elector.hold(), name="lease"),
-        asyncio.create_task(inventory.run(), name="inventory"),
-        asyncio.create_task(reconciler.run(presence=lambda: inventory.presence), name="sweeps"),
+        asyncio.create_task(state.run(), name="state"),
+        asyncio.create_task(loops(), name="loops"),
         asyncio.create_task(
             kopf.operator(
                 registry=kopf_registry(inventory, reconciler),

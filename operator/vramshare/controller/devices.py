@@ -17,13 +17,14 @@ import structlog
 
 from vramshare.controller.metrics import ControllerMetrics
 from vramshare.controller.settings import ControllerSettings
+from vramshare.controller.state import ClusterState
 from vramshare.domain import Reservation
 from vramshare.domain.inventory import DeviceState, GpuPresence, Known, observe
 from vramshare.domain.inventory import DeviceStatus as Judged
-from vramshare.kube.client import KubeClient
+from vramshare.kube.client import ApiError, KubeClient
 from vramshare.kube.events import Event, Involved, post_event
-from vramshare.kube.objects import Condition, DeviceSpec, DeviceStatus, GpuDevice, GpuReservation
-from vramshare.kube.resources import API_VERSION, devices_path, reservations_path
+from vramshare.kube.objects import Condition, DeviceSpec, DeviceStatus, GpuDevice
+from vramshare.kube.resources import API_VERSION, devices_path
 from vramshare.prometheus import DcgmReading, DcgmSource, PrometheusUnavailableError
 
 log = structlog.get_logger("vramshare.controller")
@@ -96,9 +97,11 @@ class InventoryLoop:
         source: DcgmSource,
         settings: ControllerSettings,
         metrics: ControllerMetrics,
+        state: ClusterState,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.kube = kube
+        self.state = state
         self.source = source
         self.settings = settings
         self.metrics = metrics
@@ -129,12 +132,10 @@ class InventoryLoop:
 
     async def poll(self) -> list[Judged]:
         reading = await self._reading()
-        devices = [GpuDevice.from_wire(o) for o in (await self.kube.list(devices_path())).get("items", [])]
-        reservations = [
-            GpuReservation.from_wire(o).to_domain()
-            for o in (await self.kube.list(reservations_path())).get("items", [])
-        ]
-        nodes = {n["metadata"]["name"] for n in (await self.kube.list("/api/v1/nodes")).get("items", [])}
+        # From the watch caches: no LIST per poll.
+        devices = list(self.state.devices.items.values())
+        reservations = [r.to_domain() for r in self.state.reservations.items.values() if r.phase.is_active]
+        nodes = set(self.state.nodes.items.values())
         now = self.clock()
         by_uuid = {d.spec.uuid: d for d in devices}
         known = []
@@ -162,9 +163,14 @@ class InventoryLoop:
         gpu = judged.gpu
         spec = DeviceSpec(uuid=gpu.uuid, node_name=gpu.node, index=gpu.index, model=gpu.model)
         if device is None:
-            device = GpuDevice.from_wire(
-                await self.kube.create(devices_path(), GpuDevice.new(spec).to_wire())
-            )
+            try:
+                created = await self.kube.create(devices_path(), GpuDevice.new(spec).to_wire())
+            except ApiError as exc:
+                if not exc.conflict:
+                    raise
+                created = await self.kube.get(devices_path(GpuDevice.new(spec).meta.name))  # cache behind
+            device = GpuDevice.from_wire(created)
+            self.state.devices.put(f"/{device.meta.name}", device)
             log.info("GPU discovered", uuid=gpu.uuid, node=gpu.node, index=gpu.index, model=gpu.model)
         elif device.spec != spec and judged.state is not DeviceState.MISSING:
             # The same card moved to another index or node label; its UUID is what identifies it.
@@ -174,7 +180,10 @@ class InventoryLoop:
         desired = device_status(judged, previous, now=now)
         if previous is not None and desired.to_wire() == previous.to_wire():
             return
-        await self.kube.merge_patch(f"{devices_path(device.meta.name)}/status", {"status": desired.to_wire()})
+        written = await self.kube.merge_patch(
+            f"{devices_path(device.meta.name)}/status", {"status": desired.to_wire()}
+        )
+        self.state.devices.put(f"/{device.meta.name}", GpuDevice.from_wire(written))
         if previous is None or previous.state != desired.state:
             log.info(
                 "GPU state changed",

@@ -17,6 +17,7 @@ import structlog
 
 from vramshare.controller.metrics import ControllerMetrics
 from vramshare.controller.settings import ControllerSettings
+from vramshare.controller.state import ClusterState
 from vramshare.domain import (
     PodSighting,
     PodState,
@@ -180,6 +181,10 @@ def plan(
     )
 
 
+_ABSENCE = ("PodDeleted", "PodNeverCreated")
+"""Transitions taken for want of a pod."""
+
+
 class ReservationReconciler:
     """Applies the lifecycle to reservations: all of them on a sweep, one on a pod event, and each new
     booking again the moment its pod should have appeared (`reservation_seen`)."""
@@ -190,11 +195,13 @@ class ReservationReconciler:
         kube: KubeClient,
         settings: ControllerSettings,
         metrics: ControllerMetrics,
+        state: ClusterState,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.kube = kube
         self.settings = settings
         self.metrics = metrics
+        self.state = state
         self.clock = clock
         self._deadlines: dict[tuple[str, str], asyncio.TimerHandle] = {}
         self._checks: set[asyncio.Task[None]] = set()
@@ -216,20 +223,13 @@ class ReservationReconciler:
             self._deadlines.clear()
 
     async def sweep(self, *, presence: GpuPresence) -> int:
-        """Check every reservation against its pod; returns how many changed."""
-        # Reservations first: a pod that bound one existed before it was listed, so the pod list
-        # below has it unless it is really gone.
-        reservations = (await self.kube.list(reservations_path())).get("items", [])
-        pods = (await self.kube.list("/api/v1/pods", label_selector=LABEL_RESERVATION)).get("items", [])
-        by_reservation: dict[tuple[str, str], list[Obj]] = {}
-        for p in pods:
-            key = (p["metadata"]["namespace"], p["metadata"]["labels"][LABEL_RESERVATION])
-            by_reservation.setdefault(key, []).append(p)
+        """Check every reservation against its pod, from the watch caches; returns how many changed.
+        A conclusion that its pod is gone or never came is confirmed with a direct read first."""
+        by_reservation = self.state.pods_by_reservation()
         changed = 0
-        for obj in reservations:
-            res = GpuReservation.from_wire(obj)
+        for res in list(self.state.reservations.items.values()):
             labelled = by_reservation.get((res.namespace, res.name), [])
-            if await self.reconcile(res, labelled, presence=presence):
+            if await self.reconcile(res, labelled, presence=presence, confirm_absence=True):
                 changed += 1
         return changed
 
@@ -290,8 +290,17 @@ class ReservationReconciler:
                 return None
             raise
 
-    async def reconcile(self, res: GpuReservation, labelled: list[Obj], *, presence: GpuPresence) -> bool:
-        """Move `res` on, given the pods that carry its label (its own, and any impostors)."""
+    async def reconcile(
+        self,
+        res: GpuReservation,
+        labelled: list[Obj],
+        *,
+        presence: GpuPresence,
+        confirm_absence: bool = False,
+    ) -> bool:
+        """Move `res` on, given the pods that carry its label (its own, and any impostors). With
+        `confirm_absence` (the pods came from a cache), a transition for want of its pod is taken only
+        after a direct read of the pods carrying its label agrees."""
         now = self.clock()
         sightings = [pod_sighting(p) for p in labelled if p["metadata"].get("uid")]
         pod, impostors = genuine_pod(res.to_domain(), sightings, bound_uid=res.status.pod_uid)
@@ -307,6 +316,12 @@ class ReservationReconciler:
         )
         if the_plan.empty:
             return False
+        if confirm_absence and the_plan.transition is not None and the_plan.transition.reason in _ABSENCE:
+            listed = await self.kube.list(
+                f"/api/v1/namespaces/{res.namespace}/pods", label_selector=f"{LABEL_RESERVATION}={res.name}"
+            )
+            if listed.get("items"):  # the cache was behind: decide on what is really there
+                return await self.reconcile(res, listed["items"], presence=presence)
         await self._apply(res, pod=pod, the_plan=the_plan, now=now)
         if the_plan.transition is not None:
             self.metrics.transitions.labels(the_plan.transition.phase.value, the_plan.transition.reason).inc()

@@ -104,9 +104,19 @@ def _reservation_key(namespace: str, name: str) -> str:
 
 
 class KubeLedger:
-    def __init__(self, kube: KubeClient, *, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        kube: KubeClient,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        on_write: Callable[[str, str], None] = lambda resource, verb: None,
+        on_consistent_read: Callable[[], None] = lambda: None,
+    ) -> None:
         self.kube = kube
         self.clock = clock
+        self.on_write = on_write
+        """Told of every write (resource, verb), so the webhook can count API writes per admission."""
+        self.on_consistent_read = on_consistent_read
         self.devices: WatchCache[GpuDevice] = WatchCache(
             kube, devices_path(), decode=GpuDevice.from_wire, name="gpudevices"
         )
@@ -177,6 +187,7 @@ class KubeLedger:
             snapshot = await self._read()
             self._fresh = (started, snapshot)
             self.consistent_reads += 1
+            self.on_consistent_read()
             return snapshot
 
     async def _read(self) -> Snapshot:
@@ -220,6 +231,7 @@ class KubeLedger:
         if ANNOTATION_REINVOKED in reservation.meta.annotations:
             return False
         try:
+            self.on_write("gpureservations", "patch")
             await self.kube.merge_patch(
                 reservations_path(reservation.namespace, reservation.name),
                 {
@@ -264,9 +276,11 @@ class KubeLedger:
 
     async def _create_and_bump(self, reservation: GpuReservation, *, key: str, token: str) -> GpuReservation:
         gpu_uuid = reservation.spec.gpu_uuid
+        self.on_write("gpureservations", "create")
         created_obj = await self.kube.create(reservations_path(reservation.namespace), reservation.to_wire())
         created = GpuReservation.from_wire(created_obj)
         try:
+            self.on_write("gpudevices", "patch")
             bumped = await self.kube.merge_patch(
                 devices_path(device_name(gpu_uuid)),
                 {
@@ -301,6 +315,7 @@ class KubeLedger:
 
     async def _label_committed(self, created: GpuReservation) -> None:
         try:
+            self.on_write("gpureservations", "patch")
             await self.kube.merge_patch(
                 reservations_path(created.namespace, created.name),
                 {"metadata": {"labels": {LABEL_COMMITTED: "true"}}},
@@ -312,6 +327,7 @@ class KubeLedger:
         """Delete a booking nobody will use, within a few seconds; one that cannot be deleted (the API
         server is what made us late) expires with the reservation TTL instead."""
         try:
+            self.on_write("gpureservations", "delete")
             await asyncio.wait_for(
                 self.kube.delete(reservations_path(created.namespace, created.name)), WITHDRAW_TIMEOUT_S
             )

@@ -3,6 +3,9 @@ writes only on change, one overuse event per episode, presence handed to the rec
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from dataclasses import replace
 
 from tests.unit.domain.builders import NOW
@@ -10,6 +13,7 @@ from tests.unit.fake_kube import FakeKube
 from vramshare.controller.devices import InventoryLoop
 from vramshare.controller.metrics import ControllerMetrics
 from vramshare.controller.settings import ControllerSettings
+from vramshare.controller.state import ClusterState
 from vramshare.domain import Accounting
 from vramshare.domain.inventory import Sample
 from vramshare.kube.objects import GpuDevice
@@ -41,18 +45,28 @@ class Source:
         return DcgmReading(samples=self.samples, skipped=[])
 
 
-async def loop(source: Source, now: list[float]) -> tuple[FakeKube, InventoryLoop]:
+@contextlib.asynccontextmanager
+async def loop(source: Source, now: list[float]) -> AsyncIterator[tuple[FakeKube, InventoryLoop]]:
     kube = FakeKube()
     await kube.create("/api/v1/nodes", {"metadata": {"name": "node-a"}})
+    state = ClusterState(kube)  # type: ignore[arg-type]
+    feeding = asyncio.create_task(state.run())
+    await asyncio.wait_for(state.wait_synced(), 2)
     settings = ControllerSettings(accounting=Accounting(safety_margin_mib=512), identity="test")
     inventory = InventoryLoop(
         kube=kube,  # type: ignore[arg-type]
         source=source,  # type: ignore[arg-type]
         settings=settings,
         metrics=ControllerMetrics(),
+        state=state,
         clock=lambda: now[0],
     )
-    return kube, inventory
+    try:
+        yield kube, inventory
+    finally:
+        feeding.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await feeding
 
 
 def status_writes(kube: FakeKube) -> int:
@@ -61,67 +75,67 @@ def status_writes(kube: FakeKube) -> int:
 
 async def test_a_new_gpu_gets_a_device_with_figures_and_conditions() -> None:
     now = [NOW + 1]
-    kube, inventory = await loop(Source(SAMPLE), now)
-    await inventory.poll()
-    device = GpuDevice.from_wire(kube.objects[devices_path("gpu-a")])
-    assert device.spec.uuid == "GPU-A"
-    assert device.status is not None
-    assert (device.status.total_mib, device.status.driver_reserved_mib, device.status.state) == (
-        16_384,
-        384,
-        "Ready",
-    )
-    assert device.status.headroom_mib == 16_000 - 512
-    ready = device.status.condition("Ready")
-    assert ready is not None
-    assert ready.status
-    assert inventory.presence.known == frozenset({"GPU-A"})
-    assert not inventory.presence.is_missing("GPU-A")
-    assert inventory.presence.is_missing("GPU-gone")  # no GpuDevice at all once the inventory ran
+    async with loop(Source(SAMPLE), now) as (kube, inventory):
+        await inventory.poll()
+        device = GpuDevice.from_wire(kube.objects[devices_path("gpu-a")])
+        assert device.spec.uuid == "GPU-A"
+        assert device.status is not None
+        assert (device.status.total_mib, device.status.driver_reserved_mib, device.status.state) == (
+            16_384,
+            384,
+            "Ready",
+        )
+        assert device.status.headroom_mib == 16_000 - 512
+        ready = device.status.condition("Ready")
+        assert ready is not None
+        assert ready.status
+        assert inventory.presence.known == frozenset({"GPU-A"})
+        assert not inventory.presence.is_missing("GPU-A")
+        assert inventory.presence.is_missing("GPU-gone")  # no GpuDevice at all once the inventory ran
 
 
 async def test_an_unchanged_status_is_not_written_again() -> None:
     now = [NOW + 1]
     source = Source(SAMPLE)
-    kube, inventory = await loop(source, now)
-    await inventory.poll()
-    writes = status_writes(kube)
-    source.down = True  # Prometheus away: the last inventory stands, nothing about the GPU changed
-    now[0] += 5
-    await inventory.poll()
-    assert status_writes(kube) == writes
-    assert inventory.outage is not None
-    assert inventory.metrics.prometheus_errors._value.get() == 1
+    async with loop(source, now) as (kube, inventory):
+        await inventory.poll()
+        writes = status_writes(kube)
+        source.down = True  # Prometheus away: the last inventory stands, nothing about the GPU changed
+        now[0] += 5
+        await inventory.poll()
+        assert status_writes(kube) == writes
+        assert inventory.outage is not None
+        assert inventory.metrics.prometheus_errors._value.get() == 1
 
 
 async def test_overuse_posts_one_warning_per_episode() -> None:
     now = [NOW + 1]
     source = Source(replace(SAMPLE, used_mib=4_000, free_mib=12_000))
-    kube, inventory = await loop(source, now)
-    await inventory.poll()
-    await inventory.poll()
-    events = [o for p, o in kube.objects.items() if "/events/" in p]
-    assert len(events) == 1
-    assert events[0]["reason"] == "MemoryOverused"
-    assert "4000 MiB" in events[0]["message"]
-    device = GpuDevice.from_wire(kube.objects[devices_path("gpu-a")])
-    assert device.status is not None
-    over = device.status.condition("MemoryOverused")
-    assert over is not None
-    assert over.status
+    async with loop(source, now) as (kube, inventory):
+        await inventory.poll()
+        await inventory.poll()
+        events = [o for p, o in kube.objects.items() if "/events/" in p]
+        assert len(events) == 1
+        assert events[0]["reason"] == "MemoryOverused"
+        assert "4000 MiB" in events[0]["message"]
+        device = GpuDevice.from_wire(kube.objects[devices_path("gpu-a")])
+        assert device.status is not None
+        over = device.status.condition("MemoryOverused")
+        assert over is not None
+        assert over.status
 
 
 async def test_a_stale_sample_flips_the_conditions_and_keeps_transition_times() -> None:
     now = [NOW + 1]
-    kube, inventory = await loop(Source(SAMPLE), now)
-    await inventory.poll()
-    now[0] = NOW + 500  # the sample is now older than max_sample_age_s (120 s)
-    await inventory.poll()
-    device = GpuDevice.from_wire(kube.objects[devices_path("gpu-a")])
-    assert device.status is not None
-    assert device.status.state == "Stale"
-    stale, missing = device.status.condition("Stale"), device.status.condition("Missing")
-    assert stale is not None
-    assert missing is not None
-    assert (stale.status, stale.last_transition) == (True, NOW + 500)
-    assert (missing.status, missing.last_transition) == (False, NOW + 1)
+    async with loop(Source(SAMPLE), now) as (kube, inventory):
+        await inventory.poll()
+        now[0] = NOW + 500  # the sample is now older than max_sample_age_s (120 s)
+        await inventory.poll()
+        device = GpuDevice.from_wire(kube.objects[devices_path("gpu-a")])
+        assert device.status is not None
+        assert device.status.state == "Stale"
+        stale, missing = device.status.condition("Stale"), device.status.condition("Missing")
+        assert stale is not None
+        assert missing is not None
+        assert (stale.status, stale.last_transition) == (True, NOW + 500)
+        assert (missing.status, missing.last_transition) == (False, NOW + 1)

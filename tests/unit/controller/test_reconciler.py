@@ -1,9 +1,12 @@
 """ReservationReconciler against a fake client: its own pod only, impostors ignored with one event,
-and a booking whose pod never appears looked at again when its TTL runs out."""
+a booking whose pod never appears looked at again when its TTL runs out, and absence confirmed
+before it is acted on."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from typing import Any
 
 from tests.unit.domain.builders import NOW, gpu
@@ -11,6 +14,7 @@ from tests.unit.fake_kube import FakeKube
 from vramshare.controller.metrics import ControllerMetrics
 from vramshare.controller.reservations import ReservationReconciler
 from vramshare.controller.settings import ControllerSettings
+from vramshare.controller.state import ClusterState
 from vramshare.domain.inventory import GpuPresence
 from vramshare.kube.objects import GpuReservation
 from vramshare.kube.resources import format_time, reservations_path
@@ -20,22 +24,37 @@ PRESENT = GpuPresence(known=frozenset({"GPU-a"}))
 PATH = reservations_path("jobs", "task-ab12")
 
 
+@contextlib.asynccontextmanager
 async def setup(
     *, ttl_s: float = 20.0, now: list[float] | None = None
-) -> tuple[FakeKube, ReservationReconciler]:
+) -> AsyncIterator[tuple[FakeKube, ReservationReconciler]]:
     clock = now or [NOW]
     kube = FakeKube(clock=lambda: clock[0])
     booking = GpuReservation.new(
         name="task-ab12", namespace="jobs", pod="task", mib=4096, gpu=GPU, admission_uid="u1", user="airflow"
     )
     await kube.create(reservations_path("jobs"), booking.to_wire())
+    state = ClusterState(kube)  # type: ignore[arg-type]
+    feeding = asyncio.create_task(state.run())
+    await asyncio.wait_for(state.wait_synced(), 2)
     reconciler = ReservationReconciler(
         kube=kube,  # type: ignore[arg-type]
         settings=ControllerSettings(reservation_ttl_s=ttl_s, identity="test"),
         metrics=ControllerMetrics(),
+        state=state,
         clock=lambda: clock[0],
     )
-    return kube, reconciler
+    try:
+        yield kube, reconciler
+    finally:
+        feeding.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await feeding
+
+
+async def fed() -> None:
+    """Let the watch caches take in what was just written."""
+    await asyncio.sleep(0.05)
 
 
 async def add_pod(
@@ -67,51 +86,74 @@ def events(kube: FakeKube) -> list[dict[str, Any]]:
 
 
 async def test_the_sweep_binds_its_own_pod_and_flags_an_impostor_once() -> None:
-    kube, reconciler = await setup()
-    await add_pod(kube, "task", created=NOW + 1)
-    await add_pod(kube, "by-hand", gpu_uuid=None, created=NOW + 2)
-    await reconciler.sweep(presence=PRESENT)
-    assert (status(kube)["phase"], status(kube)["podUID"]) == ("Bound", "uid-task")
-    await reconciler.sweep(presence=PRESENT)
-    flagged = [e for e in events(kube) if e["reason"] == "ReservationNotYours"]
-    assert [e["involvedObject"]["name"] for e in flagged] == ["by-hand"]
-    assert reconciler.metrics.impostor_pods._value.get() == 1
+    async with setup() as (kube, reconciler):
+        await add_pod(kube, "task", created=NOW + 1)
+        await add_pod(kube, "by-hand", gpu_uuid=None, created=NOW + 2)
+        await fed()
+        await reconciler.sweep(presence=PRESENT)
+        assert (status(kube)["phase"], status(kube)["podUID"]) == ("Bound", "uid-task")
+        await fed()
+        await reconciler.sweep(presence=PRESENT)
+        flagged = [e for e in events(kube) if e["reason"] == "ReservationNotYours"]
+        assert [e["involvedObject"]["name"] for e in flagged] == ["by-hand"]
+        assert reconciler.metrics.impostor_pods._value.get() == 1
+
+
+async def test_a_sweep_reads_the_caches_not_the_api() -> None:
+    async with setup() as (kube, reconciler):
+        await add_pod(kube, "task", created=NOW + 1)
+        await fed()
+        before = sum(op == "list" for op, _ in kube.calls)
+        await reconciler.sweep(presence=PRESENT)
+        await fed()
+        await reconciler.sweep(presence=PRESENT)
+        assert sum(op == "list" for op, _ in kube.calls) == before
+
+
+async def test_a_pod_the_cache_has_not_seen_yet_is_not_taken_for_gone() -> None:
+    async with setup() as (kube, reconciler):
+        own = await add_pod(kube, "task", created=NOW + 1)
+        await reconciler.pod_changed(own, deleted=False, presence=PRESENT)  # bound through kopf's stream
+        await fed()
+        reconciler.state.pods.drop("jobs/task")  # the cache lags behind
+        await reconciler.sweep(presence=PRESENT)
+        assert status(kube)["phase"] == "Bound"  # the direct read found the pod
 
 
 async def test_an_impostors_deletion_does_not_release_the_booking() -> None:
-    kube, reconciler = await setup()
-    own = await add_pod(kube, "task", created=NOW + 1)
-    impostor = await add_pod(kube, "by-hand", created=NOW + 2)
-    await reconciler.pod_changed(own, deleted=False, presence=PRESENT)
-    assert status(kube)["phase"] == "Bound"
-    await reconciler.pod_changed(impostor, deleted=True, presence=PRESENT)
-    assert status(kube)["phase"] == "Bound"
-    await reconciler.pod_changed(own, deleted=True, presence=PRESENT)
-    assert (status(kube)["phase"], status(kube)["reason"]) == ("Released", "PodDeleted")
+    async with setup() as (kube, reconciler):
+        own = await add_pod(kube, "task", created=NOW + 1)
+        impostor = await add_pod(kube, "by-hand", created=NOW + 2)
+        await reconciler.pod_changed(own, deleted=False, presence=PRESENT)
+        assert status(kube)["phase"] == "Bound"
+        await reconciler.pod_changed(impostor, deleted=True, presence=PRESENT)
+        assert status(kube)["phase"] == "Bound"
+        await reconciler.pod_changed(own, deleted=True, presence=PRESENT)
+        assert (status(kube)["phase"], status(kube)["reason"]) == ("Released", "PodDeleted")
 
 
 async def test_a_booking_whose_pod_never_appears_expires_when_its_ttl_runs_out() -> None:
     now = [NOW]
-    kube, reconciler = await setup(ttl_s=0.2, now=now)
-    now[0] = NOW + 0.3  # the TTL has run out by the time the timer fires
-    reconciler.reservation_seen(kube.objects[PATH], presence=lambda: PRESENT)
-    await asyncio.sleep(0.05)
-    assert "phase" not in status(kube)  # not yet: the check waits for the TTL plus a moment
-    await asyncio.sleep(0.6)
-    assert (status(kube)["phase"], status(kube)["reason"]) == ("Expired", "PodNeverCreated")
-    assert kube.objects[PATH]["metadata"]["labels"]["vramshare.io/active"] == "false"
-    (event,) = events(kube)
-    assert (event["reason"], event["involvedObject"]["kind"]) == ("PodNeverCreated", "GpuReservation")
+    async with setup(ttl_s=0.2, now=now) as (kube, reconciler):
+        now[0] = NOW + 0.3  # the TTL has run out by the time the timer fires
+        reconciler.reservation_seen(kube.objects[PATH], presence=lambda: PRESENT)
+        await asyncio.sleep(0.05)
+        assert "phase" not in status(kube)  # not yet: the check waits for the TTL plus a moment
+        await asyncio.sleep(0.6)
+        assert (status(kube)["phase"], status(kube)["reason"]) == ("Expired", "PodNeverCreated")
+        assert kube.objects[PATH]["metadata"]["labels"]["vramshare.io/active"] == "false"
+        (event,) = events(kube)
+        assert (event["reason"], event["involvedObject"]["kind"]) == ("PodNeverCreated", "GpuReservation")
 
 
 async def test_a_late_pod_revives_its_expired_booking() -> None:
     now = [NOW]
-    kube, reconciler = await setup(now=now)
-    now[0] = NOW + 25
-    await reconciler.sweep(presence=PRESENT)
-    assert status(kube)["phase"] == "Expired"
-    late = await add_pod(kube, "task", created=NOW + 24)
-    await reconciler.pod_changed(late, deleted=False, presence=PRESENT)
-    assert (status(kube)["phase"], status(kube)["reason"]) == ("Bound", "PodAppearedLate")
-    assert "finishedAt" not in status(kube)
-    assert kube.objects[PATH]["metadata"]["labels"]["vramshare.io/active"] == "true"
+    async with setup(now=now) as (kube, reconciler):
+        now[0] = NOW + 25
+        await reconciler.sweep(presence=PRESENT)
+        assert status(kube)["phase"] == "Expired"
+        late = await add_pod(kube, "task", created=NOW + 24)
+        await reconciler.pod_changed(late, deleted=False, presence=PRESENT)
+        assert (status(kube)["phase"], status(kube)["reason"]) == ("Bound", "PodAppearedLate")
+        assert "finishedAt" not in status(kube)
+        assert kube.objects[PATH]["metadata"]["labels"]["vramshare.io/active"] == "true"

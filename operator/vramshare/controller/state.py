@@ -1,0 +1,55 @@
+"""What the controller reads, kept in memory by LIST+WATCH instead of listed on every poll and sweep:
+GpuDevices, GpuReservations, Nodes and the pods vramshare admitted (label vramshare.io/reservation).
+
+Caches lag the API server by the time an event takes to arrive. That is harmless where the controller
+writes with preconditions or compares before writing; the two conclusions that a lagging cache could
+get wrong ("its pod is gone", "its pod never appeared") are confirmed with a direct read before they
+are acted on (see ReservationReconciler).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from vramshare.kube.client import KubeClient, Obj
+from vramshare.kube.objects import GpuDevice, GpuReservation
+from vramshare.kube.resources import LABEL_RESERVATION, devices_path, reservations_path
+from vramshare.kube.watch import WatchCache
+
+
+def _name(obj: Obj) -> str:
+    return str(obj["metadata"]["name"])
+
+
+def _pod(obj: Obj) -> Obj:
+    return obj
+
+
+class ClusterState:
+    def __init__(self, kube: KubeClient) -> None:
+        self.devices: WatchCache[GpuDevice] = WatchCache(
+            kube, devices_path(), decode=GpuDevice.from_wire, name="gpudevices"
+        )
+        self.reservations: WatchCache[GpuReservation] = WatchCache(
+            kube, reservations_path(), decode=GpuReservation.from_wire, name="gpureservations"
+        )
+        self.nodes: WatchCache[str] = WatchCache(kube, "/api/v1/nodes", decode=_name, name="nodes")
+        self.pods: WatchCache[Obj] = WatchCache(
+            kube, "/api/v1/pods", decode=_pod, label_selector=LABEL_RESERVATION, name="pods"
+        )
+        self._caches = (self.devices, self.reservations, self.nodes, self.pods)
+
+    async def run(self) -> None:
+        await asyncio.gather(*(c.run() for c in self._caches))
+
+    async def wait_synced(self) -> None:
+        for cache in self._caches:
+            await cache.synced.wait()
+
+    def pods_by_reservation(self) -> dict[tuple[str, str], list[Obj]]:
+        """Admitted pods grouped by (namespace, the reservation their label names)."""
+        grouped: dict[tuple[str, str], list[Obj]] = {}
+        for pod in self.pods.items.values():
+            meta = pod["metadata"]
+            grouped.setdefault((meta["namespace"], meta["labels"][LABEL_RESERVATION]), []).append(pod)
+        return grouped
