@@ -226,26 +226,32 @@ class KubeLedger:
 
     async def claim_reinvocation(self, reservation: GpuReservation, *, claimant: str) -> bool:
         """Mark `reservation` as taken up by a reinvocation of its admission; False when another pass
-        already did (the API server reinvokes a webhook at most once, so a second claim is a copy) or
-        the reservation changed meanwhile."""
-        if ANNOTATION_REINVOKED in reservation.meta.annotations:
-            return False
-        try:
-            self.on_write("gpureservations", "patch")
-            await self.kube.merge_patch(
-                reservations_path(reservation.namespace, reservation.name),
-                {
-                    "metadata": {
-                        "resourceVersion": reservation.meta.resource_version,
-                        "annotations": {ANNOTATION_REINVOKED: claimant},
-                    }
-                },
-            )
-        except ApiError as exc:
-            if exc.conflict or exc.not_found:
+        already did (the API server reinvokes a webhook at most once, so a second claim is a copy).
+        A precondition makes the claim exclusive; a conflict from another change (the committed label
+        landing meanwhile) is read again and retried."""
+        current: GpuReservation | None = reservation
+        for _ in range(5):
+            if current is None or ANNOTATION_REINVOKED in current.meta.annotations:
                 return False
-            raise
-        return True
+            try:
+                self.on_write("gpureservations", "patch")
+                await self.kube.merge_patch(
+                    reservations_path(current.namespace, current.name),
+                    {
+                        "metadata": {
+                            "resourceVersion": current.meta.resource_version,
+                            "annotations": {ANNOTATION_REINVOKED: claimant},
+                        }
+                    },
+                )
+                return True
+            except ApiError as exc:
+                if exc.not_found:
+                    return False
+                if not exc.conflict:
+                    raise
+            current = await self.get_reservation(reservation.namespace, reservation.name)
+        return False
 
     async def pod_carries(self, namespace: str, reservation: str) -> bool:
         """Whether any pod already carries the reservation's label (a consistent read)."""

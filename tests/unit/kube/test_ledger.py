@@ -228,3 +228,19 @@ async def test_pod_carries_reads_pods_by_the_reservation_label() -> None:
     )
     assert await ledger.pod_carries("jobs", "task-1")
     assert not await ledger.pod_carries("jobs", "task-2")
+
+
+async def test_a_claim_survives_an_unrelated_change_landing_first() -> None:
+    """The committed label lands after the pass read the booking: the claim is retried, not lost."""
+    kube = await cluster()
+    ledger = KubeLedger(kube)  # type: ignore[arg-type]
+    await kube.create(reservations_path("jobs"), booking().to_wire())
+    read = await ledger.get_reservation("jobs", "task-1")
+    assert read is not None
+    await kube.merge_patch(
+        reservations_path("jobs", "task-1"), {"metadata": {"labels": {LABEL_COMMITTED: "true"}}}
+    )
+    assert await ledger.claim_reinvocation(read, claimant="uid-2")
+    assert kube.objects[reservations_path("jobs", "task-1")]["metadata"]["annotations"] == {
+        "vramshare.io/reinvoked-by": "uid-2"
+    }
