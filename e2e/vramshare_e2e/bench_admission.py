@@ -94,31 +94,33 @@ def _webhook_metrics(ports: list[int]) -> dict[str, float]:
     return totals
 
 
-def _decision_quantiles(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+def _decision_quantiles(
+    before: dict[str, float], after: dict[str, float], metric: str = "decision"
+) -> dict[str, float]:
     buckets = sorted(
         (float(m.group(1)), after[k] - before.get(k, 0.0))
         for k in after
-        if (m := re.match(r'vramshare_webhook_decision_seconds_bucket\{le="([^"]+)"\}', k))
+        if (m := re.match(rf'vramshare_webhook_{metric}_seconds_bucket\{{le="([^"]+)"\}}', k))
     )
     total = buckets[-1][1] if buckets else 0
 
     def q(x: float) -> float:
         return next((b for b, n in buckets if n >= x * total), float("inf")) * 1000
 
-    count = after.get("vramshare_webhook_decision_seconds_count", 0) - before.get(
-        "vramshare_webhook_decision_seconds_count", 0
+    count = after.get(f"vramshare_webhook_{metric}_seconds_count", 0) - before.get(
+        f"vramshare_webhook_{metric}_seconds_count", 0
     )
     mean = (
         (
-            after.get("vramshare_webhook_decision_seconds_sum", 0)
-            - before.get("vramshare_webhook_decision_seconds_sum", 0)
+            after.get(f"vramshare_webhook_{metric}_seconds_sum", 0)
+            - before.get(f"vramshare_webhook_{metric}_seconds_sum", 0)
         )
         / count
         * 1000
         if count
         else 0.0
     )
-    return {"p50_ms_at_most": q(0.5), "p99_ms_at_most": q(0.99), "mean_ms": round(mean, 2)}
+    return {"p50_ms_at_most": q(0.5), "p99_ms_at_most": q(0.99), "mean_ms": round(mean, 3)}
 
 
 def _peak_rss_mib(pid: int) -> float:
@@ -212,6 +214,8 @@ def admission(*, smoke: bool, show: Callable[[str], None]) -> dict[str, Any]:
                 "against_null_webhook": _ratios(vs, null),
                 "errors": {"baseline": base_err, "null_webhook": null_err, "vramshare": vs_err},
                 "webhook_decision": _decision_quantiles(before, after),
+                "webhook_choose": _decision_quantiles(before, after, "choose"),
+                "webhook_commit": _decision_quantiles(before, after, "commit"),
                 "conflicts_retried": after.get("vramshare_webhook_commit_conflicts_total", 0)
                 - before.get("vramshare_webhook_commit_conflicts_total", 0),
                 "consistent_reads": after.get("vramshare_webhook_consistent_reads_total", 0)
@@ -284,6 +288,8 @@ def _at_scale(
         "create_ratio_p50": round(vs["p50_ms"] / base["p50_ms"], 2),
         "errors": errors,
         "webhook_decision": _decision_quantiles(before, after),
+        "webhook_choose": _decision_quantiles(before, after, "choose"),
+        "webhook_commit": _decision_quantiles(before, after, "commit"),
         "webhook_rss_mib": {
             name: _rss_mib(cluster.components[name].process.pid)  # type: ignore[union-attr]
             for name in ("webhook-a", "webhook-b")
@@ -366,13 +372,20 @@ def summary(report: dict[str, Any]) -> str:
             f"<={d['p50_ms_at_most']:>5.1f}/<={d['p99_ms_at_most']:>5.1f}ms  "
             f"{r['api_writes_per_admission']!s:>10}  {r['conflicts_retried']:.0f}"
         )
+        c, w = r["webhook_choose"], r["webhook_commit"]
+        lines.append(
+            f"      of the answer: choosing p50 <= {c['p50_ms_at_most']:.2f} ms (mean {c['mean_ms']:.2f}), "
+            f"committing p50 <= {w['p50_ms_at_most']:.1f} ms (mean {w['mean_ms']:.1f}); "
+            f"consistent reads {r['consistent_reads']:.0f}"
+        )
     for scale in report["scale"]:
         d = scale["webhook_decision"]
+        c = scale["webhook_choose"]
         lines.append(
             f"with {scale['active_reservations']} active reservations: create p50 "
-            f"{scale['vramshare']['p50_ms']:.1f} ms ({scale['create_ratio_p50']:.2f}x plain), decision p50 "
-            f"<= {d['p50_ms_at_most']:.1f} ms (mean {d['mean_ms']:.1f} ms), "
-            f"webhook RSS {scale['webhook_rss_mib']} MiB"
+            f"{scale['vramshare']['p50_ms']:.1f} ms ({scale['create_ratio_p50']:.2f}x plain), answer p50 "
+            f"<= {d['p50_ms_at_most']:.1f} ms, of which choosing p50 <= {c['p50_ms_at_most']:.2f} ms "
+            f"(mean {c['mean_ms']:.2f} ms); webhook RSS {scale['webhook_rss_mib']} MiB"
         )
     lines.append(f"peak RSS MiB: {report['peak_rss_mib']}")
     lines.append(

@@ -292,6 +292,7 @@ def test_concurrency_with_crashes_keeps_every_promise(stack: Stack) -> None:
     assert expired >= outcomes["quota"]
     for shard in SHARDS:
         stack.cluster.kubectl("delete", "pods", "--all", "-n", f"load-{shard}", "--wait=false")
+    stack.cluster.kubectl("delete", "resourcequota", "pods", "-n", QUOTA_NAMESPACE)  # the later tests' pods
 
 
 def test_api_server_restart_is_survived_without_restarting_vramshare(stack: Stack) -> None:

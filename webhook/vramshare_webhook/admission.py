@@ -63,7 +63,9 @@ class Ledger(Protocol):
     async def get_reservation(self, namespace: str, name: str) -> GpuReservation | None: ...
     async def claim_reinvocation(self, reservation: GpuReservation, *, claimant: str) -> bool: ...
     async def pod_carries(self, namespace: str, reservation: str) -> bool: ...
-    async def commit(self, *, reservation: GpuReservation, token: str) -> GpuReservation: ...
+    async def commit(
+        self, *, reservation: GpuReservation, token: str, live: bool = False
+    ) -> GpuReservation: ...
 
 
 def not_an_earlier_pass(
@@ -279,6 +281,7 @@ class Admitter:
         self, request: rv.Request, facts: PodFacts, *, alloc: AllocationRequest, details: dict[str, Any]
     ) -> Decision | None:
         """Decide on a snapshot and commit; None when the chosen GPU's ledger moved meanwhile."""
+        choosing = time.perf_counter()
         snapshot = await self.ledger.snapshot()
         if request.name and _holds_booking(snapshot, request.namespace, request.name):
             # Confirm on a consistent view: the pod may have ended a moment ago.
@@ -325,10 +328,14 @@ class Admitter:
             admission_uid=request.uid,
             user=request.username,
         )
+        committing = time.perf_counter()
+        self.metrics.choose_seconds.observe(committing - choosing)
         try:
-            await self.ledger.commit(reservation=booking, token=snapshot.tokens[gpu.uuid])
+            await self.ledger.commit(reservation=booking, token=snapshot.tokens[gpu.uuid], live=snapshot.live)
         except CommitConflictError:
             return None
+        finally:
+            self.metrics.commit_seconds.observe(time.perf_counter() - committing)
         return Admit(placement=placement, patch=patch, reason=Reason.FITS, details=admitted)
 
     def _contention(

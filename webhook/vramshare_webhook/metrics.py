@@ -20,6 +20,18 @@ class WebhookMetrics:
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
             registry=self.registry,
         )
+        self.choose_seconds = Histogram(
+            "vramshare_webhook_choose_seconds",
+            "Time to read the view (from the watch caches) and choose a GPU, without the commit's writes.",
+            buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0),
+            registry=self.registry,
+        )
+        self.commit_seconds = Histogram(
+            "vramshare_webhook_commit_seconds",
+            "Time to commit a reservation: create it and move its GPU's token (two API writes).",
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
+            registry=self.registry,
+        )
         self.api_writes = Counter(
             "vramshare_webhook_api_writes",
             "Writes to the API server by the webhook's ledger, by resource and verb.",

@@ -82,6 +82,10 @@ class Snapshot:
     reservations: tuple[Reservation, ...]
     tokens: dict[str, str]
     """GPU UUID -> resourceVersion of its GpuDevice when read."""
+    live: bool = False
+    """Built from the watch caches at the moment it was handed out, with every decision this process
+    had made by then. Only such a view may commit on a token our own later commits moved (see
+    `KubeLedger.commit`); a consistent read is a picture of an earlier moment, possibly shared."""
 
 
 class CommitConflictError(Exception):
@@ -173,7 +177,9 @@ class KubeLedger:
             if gpu is not None:
                 gpus.append(gpu)
                 tokens[gpu.uuid] = device.ledger_token
-        return Snapshot(gpus=tuple(gpus), reservations=tuple(self.reservations.items.values()), tokens=tokens)
+        return Snapshot(
+            gpus=tuple(gpus), reservations=tuple(self.reservations.items.values()), tokens=tokens, live=True
+        )
 
     async def _consistent(self) -> Snapshot:
         """A quorum read of both kinds. Callers that arrive while one is in flight wait for it and then
@@ -260,11 +266,15 @@ class KubeLedger:
         )
         return bool(pods.get("items"))
 
-    async def commit(self, *, reservation: GpuReservation, token: str) -> GpuReservation:
+    async def commit(self, *, reservation: GpuReservation, token: str, live: bool = False) -> GpuReservation:
         """Create `reservation` and bump its GPU's token; `CommitConflictError` when it moved.
 
         Call it right after deciding, with no await in between: the reservation joins this process's
-        view at once, before the first await, so the next decision counts it."""
+        view at once, before the first await, so the next decision counts it. With `live` (the
+        decision was made on a live view), a token moved since only by this process's own commits is
+        followed to its latest value: those commits queued for the GPU's lock before this one, so
+        their reservations were in the view. A decision on a consistent read commits on its own token
+        or conflicts and decides again."""
         gpu_uuid = reservation.spec.gpu_uuid
         key = _reservation_key(reservation.namespace, reservation.name)
         self.reservations.put(key, reservation.to_domain())  # reserved_at 0.0: decided, not created
@@ -273,7 +283,7 @@ class KubeLedger:
                 # Our own commits on this GPU since the decision moved its token; they are in the view
                 # the decision was made on, so the chain's last token is as good as the decided one.
                 chain = self._successor.setdefault(gpu_uuid, {})
-                while token in chain:
+                while live and token in chain:
                     token = chain[token]
                 return await self._create_and_bump(reservation, key=key, token=token)
         except BaseException:

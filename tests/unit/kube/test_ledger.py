@@ -125,8 +125,8 @@ async def test_own_decisions_join_the_view_before_their_commit_completes(
 ) -> None:
     kube, ledger = running
     token = (await ledger.snapshot()).tokens[GPU.uuid]
-    first = asyncio.create_task(ledger.commit(reservation=booking("a"), token=token))
-    second = asyncio.create_task(ledger.commit(reservation=booking("b"), token=token))
+    first = asyncio.create_task(ledger.commit(reservation=booking("a"), token=token, live=True))
+    second = asyncio.create_task(ledger.commit(reservation=booking("b"), token=token, live=True))
     await asyncio.sleep(0)
     assert {r.name for r in (await ledger.snapshot()).reservations} == {"a", "b"}
     # Both decided on the same token: the second is chained after the first, no conflict.
@@ -244,3 +244,20 @@ async def test_a_claim_survives_an_unrelated_change_landing_first() -> None:
     assert kube.objects[reservations_path("jobs", "task-1")]["metadata"]["annotations"] == {
         "vramshare.io/reinvoked-by": "uid-2"
     }
+
+
+async def test_a_decision_on_a_consistent_read_does_not_ride_on_our_own_later_commits(
+    running: tuple[FakeKube, KubeLedger],
+) -> None:
+    """A shared consistent read may predate this process's other decisions: committing on it after
+    one of them moved the token must conflict (and decide again), not follow the chain."""
+    kube, ledger = running
+    fresh = await ledger.snapshot(fresh=True)
+    assert not fresh.live
+    live = await ledger.snapshot()
+    assert live.live
+    await ledger.commit(reservation=booking("a"), token=live.tokens[GPU.uuid], live=True)
+    with pytest.raises(CommitConflictError):
+        await ledger.commit(reservation=booking("b"), token=fresh.tokens[GPU.uuid], live=False)
+    await settle()
+    assert [p.rsplit("/", 1)[1] for p in reservations(kube)] == ["a"]

@@ -59,7 +59,7 @@ class MemoryLedger:
     async def pod_carries(self, namespace: str, reservation: str) -> bool:
         return reservation in self.carried
 
-    async def commit(self, *, reservation: GpuReservation, token: str) -> GpuReservation:
+    async def commit(self, *, reservation: GpuReservation, token: str, live: bool = False) -> GpuReservation:
         if self.hang_commit:
             await asyncio.sleep(3600)
         if self.conflicts:
