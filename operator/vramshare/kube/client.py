@@ -202,13 +202,16 @@ class KubeClient:
             params["labelSelector"] = label_selector
         url = f"{self.connection.host}{path}?{urlencode(params)}"
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=timeout_s + 30)
-        async with self._session.get(url, headers=self._headers(), timeout=timeout) as resp:
-            if resp.status >= 400:
-                text = await resp.text()
-                raise ApiError(status=resp.status, reason=resp.reason or "", message=text[:2000])
-            async for line in resp.content:
-                if line.strip():
-                    yield json.loads(line)
+        try:
+            async with self._session.get(url, headers=self._headers(), timeout=timeout) as resp:
+                if resp.status >= 400:
+                    text = await resp.text()
+                    raise ApiError(status=resp.status, reason=resp.reason or "", message=text[:2000])
+                async for line in resp.content:
+                    if line.strip():
+                        yield json.loads(line)
+        except aiohttp.ClientError as exc:  # the stream broke (the API server went away, a proxy cut it)
+            raise ConnectionError(f"watch of {path} broke: {exc!r}") from exc
 
     async def create(self, path: str, obj: Obj, *, dry_run: bool = False) -> Obj:
         return await self.request("POST", path, body=obj, params={"dryRun": "All"} if dry_run else None)

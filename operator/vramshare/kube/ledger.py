@@ -150,10 +150,15 @@ class KubeLedger:
     def synced(self) -> bool:
         return self.devices.synced.is_set() and self.reservations.synced.is_set()
 
+    @property
+    def live(self) -> bool:
+        """Both caches synced and following their streams; otherwise decisions read consistently."""
+        return self.synced and self.devices.streaming and self.reservations.streaming
+
     async def snapshot(self, *, fresh: bool = False) -> Snapshot:
         """The cached view, complete for every token in it; with `fresh`, a consistent read (slower),
         as a refusal deserves."""
-        if fresh or not self.synced:
+        if fresh or not self.live:
             return await self._consistent()
         needed = max((self._needed(d) for d in self.devices.items.values()), default=0)
         if needed < 0:

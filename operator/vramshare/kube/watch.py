@@ -61,6 +61,8 @@ class WatchCache(Generic[T]):
         self.resource_version = 0
         """Every event up to this resourceVersion is applied (advanced by the stream only)."""
         self.synced = asyncio.Event()
+        self.streaming = False
+        """True while a watch stream is open: the cache follows the API server live."""
         self.relists = 0
         self._progress = asyncio.Condition()
         self._on_change: list[Callable[[str, T | None], None]] = []
@@ -87,10 +89,12 @@ class WatchCache(Generic[T]):
                 log.warning("watch interrupted; resuming", cache=self.name, error=str(exc)[:200])
                 await asyncio.sleep(backoff)
                 backoff = min(5.0, backoff * 2)
-            except (OSError, TimeoutError, ValueError) as exc:
+            except Exception as exc:  # never die: a cache that stops following would decide on old data
                 log.warning("watch interrupted; resuming", cache=self.name, error=str(exc)[:200])
                 await asyncio.sleep(backoff)
                 backoff = min(5.0, backoff * 2)
+            finally:
+                self.streaming = False
 
     def _gone(self) -> None:
         self.relists += 1
@@ -123,6 +127,7 @@ class WatchCache(Generic[T]):
         await self._advance()
 
     async def _watch(self) -> None:
+        self.streaming = True
         async for event in self.kube.watch(
             self.path,
             resource_version=str(self.resource_version),
