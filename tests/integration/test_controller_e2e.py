@@ -99,8 +99,14 @@ def test_devices_appear_and_follow_used_memory(stack: LocalCluster) -> None:
     assert dev["status"]["totalMiB"] == gpu.total_mib
     assert dev["status"]["state"] == "Ready"
     port = stack.components["controller-1"].env["VRAMSHARE_METRICS_PORT"]  # type: ignore[index]
-    assert (
-        metric(int(port), f'vramshare_gpu_total_mib{{node="{node.name}",uuid="{gpu.uuid}"}}') == gpu.total_mib
+    # The metrics are exported at the end of the poll that wrote the devices.
+    eventually(
+        lambda: (
+            metric(int(port), f'vramshare_gpu_total_mib{{node="{node.name}",uuid="{gpu.uuid}"}}')
+            == gpu.total_mib
+        ),
+        what="the total metric",
+        timeout_s=10,
     )
     assert (
         metric(int(port), f'vramshare_gpu_state{{node="{node.name}",state="Ready",uuid="{gpu.uuid}"}}') == 1.0
