@@ -275,7 +275,8 @@ class Admitter:
             self.metrics.conflicts.inc()
             if time.monotonic() >= deadline:
                 return self._contention(request, facts, mib=mib, details=tried)
-            await asyncio.sleep(min(0.2, 0.005 * 2**attempt) * (0.5 + secrets.randbelow(100) / 100))
+            backoff = min(0.2, 0.005 * 2**attempt) * (0.5 + secrets.randbelow(100) / 100)
+            await asyncio.sleep(min(backoff, max(0.0, deadline - time.monotonic())))
 
     async def _attempt(
         self, request: rv.Request, facts: PodFacts, *, alloc: AllocationRequest, details: dict[str, Any]

@@ -44,8 +44,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
+from typing import Any
 
 import structlog
 
@@ -92,6 +93,21 @@ class CommitConflictError(Exception):
     """The GPU's ledger token moved since the snapshot: decide again on a fresh one."""
 
 
+MAX_GROUP = 32
+"""At most this many reservations share one bump of a GPU's token."""
+
+
+@dataclass(kw_only=True, eq=False)
+class _Pending:
+    reservation: GpuReservation
+    key: str
+    token: str
+    live: bool
+    done: asyncio.Future[GpuReservation]
+    abandoned: bool = False
+    """Its caller gave up (deadline) while its group was on its way: withdraw it once made."""
+
+
 def last_commit_version(device: GpuDevice) -> int:
     """The creation resourceVersion of the last reservation committed on `device` (0: none yet, or
     an annotation without it, written before vramshare recorded it: -1, so only a consistent read
@@ -135,7 +151,9 @@ class KubeLedger:
         """GPU UUID -> the token this process's last commit on it returned (no wait needed there)."""
         self._successor: dict[str, dict[str, str]] = {}
         """GPU UUID -> {token: the token our commit on it returned}, to chain our own commits."""
-        self._gpu_locks: dict[str, asyncio.Lock] = {}
+        self._queues: dict[str, list[_Pending]] = {}
+        """GPU UUID -> commits decided and waiting for that GPU, in the order they were decided."""
+        self._committers: dict[str, asyncio.Task[None]] = {}
         self._fresh_lock = asyncio.Lock()
         self._fresh: tuple[float, Snapshot] | None = None
         self._background: set[asyncio.Task[None]] = set()
@@ -275,31 +293,99 @@ class KubeLedger:
         """Create `reservation` and bump its GPU's token; `CommitConflictError` when it moved.
 
         Call it right after deciding, with no await in between: the reservation joins this process's
-        view at once, before the first await, so the next decision counts it. With `live` (the
-        decision was made on a live view), a token moved since only by this process's own commits is
-        followed to its latest value: those commits queued for the GPU's lock before this one, so
-        their reservations were in the view. A decision on a consistent read commits on its own token
-        or conflicts and decides again."""
+        view at once, before the first await, so the next decision counts it. Commits on one GPU are
+        made in the order they were decided, and those decided on live views while one was in
+        flight go together: their reservations are created in parallel, then one bump of the token
+        names the newest (group commit). With `live` (decided on a live view), a token moved since only
+        by this process's own commits is followed to its latest value: those commits were decided
+        before this one, so their reservations were in its view. A decision on a consistent read
+        commits alone on its own token, or conflicts and decides again.
+
+        If the caller is cancelled (the answer's deadline passed) its reservation does not stand: it is
+        not created if still queued, and withdrawn if its group was already on its way."""
         gpu_uuid = reservation.spec.gpu_uuid
         key = _reservation_key(reservation.namespace, reservation.name)
         self.reservations.put(key, reservation.to_domain())  # reserved_at 0.0: decided, not created
+        entry = _Pending(
+            reservation=reservation,
+            key=key,
+            token=token,
+            live=live,
+            done=asyncio.get_running_loop().create_future(),
+        )
+        queue = self._queues.setdefault(gpu_uuid, [])
+        queue.append(entry)
+        if gpu_uuid not in self._committers:
+            self._committers[gpu_uuid] = asyncio.get_running_loop().create_task(self._drain(gpu_uuid))
         try:
-            async with self._gpu_locks.setdefault(gpu_uuid, asyncio.Lock()):
-                # Our own commits on this GPU since the decision moved its token; they are in the view
-                # the decision was made on, so the chain's last token is as good as the decided one.
-                chain = self._successor.setdefault(gpu_uuid, {})
-                while live and token in chain:
-                    token = chain[token]
-                return await self._create_and_bump(reservation, key=key, token=token)
-        except BaseException:
-            self.reservations.drop(key)
+            return await asyncio.shield(entry.done)
+        except asyncio.CancelledError:
+            if entry in queue:
+                queue.remove(entry)
+                self.reservations.drop(key)
+            elif entry.done.done() and not entry.done.cancelled() and entry.done.exception() is None:
+                self._later(self._abandon(entry.done.result(), key))
+            else:
+                entry.abandoned = True
             raise
 
-    async def _create_and_bump(self, reservation: GpuReservation, *, key: str, token: str) -> GpuReservation:
-        gpu_uuid = reservation.spec.gpu_uuid
+    def _later(self, coroutine: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coroutine)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _abandon(self, created: GpuReservation, key: str) -> None:
+        self.reservations.drop(key)
+        await self._withdraw(created)
+
+    def _head(self, gpu_uuid: str, token: str) -> str:
+        chain = self._successor.get(gpu_uuid, {})
+        while token in chain:
+            token = chain[token]
+        return token
+
+    async def _drain(self, gpu_uuid: str) -> None:
+        queue = self._queues[gpu_uuid]
+        try:
+            while queue:
+                first = queue.pop(0)
+                batch = [first]
+                token = first.token
+                if first.live:
+                    token = self._head(gpu_uuid, first.token)
+                    while (
+                        queue
+                        and len(batch) < MAX_GROUP
+                        and queue[0].live
+                        and self._head(gpu_uuid, queue[0].token) == token
+                    ):
+                        batch.append(queue.pop(0))
+                await self._commit_group(gpu_uuid, batch, token)
+        finally:
+            self._committers.pop(gpu_uuid, None)
+            for entry in queue:  # only when this task itself is cancelled (shutdown)
+                self.reservations.drop(entry.key)
+                entry.done.cancel()
+            queue.clear()
+
+    async def _create(self, entry: _Pending) -> GpuReservation:
         self.on_write("gpureservations", "create")
-        created_obj = await self.kube.create(reservations_path(reservation.namespace), reservation.to_wire())
-        created = GpuReservation.from_wire(created_obj)
+        obj = await self.kube.create(
+            reservations_path(entry.reservation.namespace), entry.reservation.to_wire()
+        )
+        return GpuReservation.from_wire(obj)
+
+    async def _commit_group(self, gpu_uuid: str, batch: list[_Pending], token: str) -> None:
+        results = await asyncio.gather(*(self._create(e) for e in batch), return_exceptions=True)
+        made: list[tuple[_Pending, GpuReservation]] = []
+        for entry, result in zip(batch, results, strict=True):
+            if isinstance(result, GpuReservation):
+                made.append((entry, result))
+            else:
+                self._fail(entry, result)
+        if not made:
+            return
+        newest = max((c for _, c in made), key=lambda c: int(c.meta.resource_version or 0))
         try:
             self.on_write("gpudevices", "patch")
             bumped = await self.kube.merge_patch(
@@ -307,32 +393,46 @@ class KubeLedger:
                 {
                     "metadata": {
                         "resourceVersion": token,
-                        "annotations": {ANNOTATION_LEDGER: f"{created.key}@{created.meta.resource_version}"},
+                        "annotations": {ANNOTATION_LEDGER: f"{newest.key}@{newest.meta.resource_version}"},
                     }
                 },
             )
-        except ApiError as exc:
-            await self._withdraw(created)
-            if exc.conflict or exc.not_found:
-                raise CommitConflictError(f"GPU {gpu_uuid} changed while deciding") from exc
-            raise
-        except BaseException:
-            # Cancelled (the answer's deadline passed) or failed before the admission is answered:
-            # nobody will be told of this booking, so it must not stand.
-            await self._withdraw(created)
-            raise
+        except BaseException as exc:
+            # The token moved, the GPU is gone, the API server failed, or we were cancelled: nobody
+            # will be told of these bookings, so none may stand.
+            await asyncio.gather(*(self._withdraw(c) for _, c in made))
+            error: BaseException = exc
+            if isinstance(exc, ApiError) and (exc.conflict or exc.not_found):
+                error = CommitConflictError(f"GPU {gpu_uuid} changed while deciding")
+            for entry, _ in made:
+                self._fail(entry, error)
+            task = asyncio.current_task()
+            if isinstance(exc, asyncio.CancelledError) and task is not None and task.cancelling():
+                raise  # this GPU's committer is being shut down
+            return
         new_token = bumped["metadata"]["resourceVersion"]
         chain = self._successor.setdefault(gpu_uuid, {})
         chain[token] = new_token
         if len(chain) > 256:  # decisions older than that many own commits conflict and decide again
             del chain[next(iter(chain))]
         self._own_tokens[gpu_uuid] = new_token
-        self.reservations.put(key, created.to_domain())
         self.devices.put(f"/{device_name(gpu_uuid)}", GpuDevice.from_wire(bumped))
-        task = asyncio.get_running_loop().create_task(self._label_committed(created))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-        return created
+        for entry, created in made:
+            if entry.abandoned:
+                self._later(self._abandon(created, entry.key))
+                continue
+            self.reservations.put(entry.key, created.to_domain())
+            self._later(self._label_committed(created))
+            entry.done.set_result(created)
+
+    def _fail(self, entry: _Pending, error: BaseException) -> None:
+        self.reservations.drop(entry.key)
+        if entry.done.done():
+            return
+        if isinstance(error, asyncio.CancelledError):
+            entry.done.cancel()
+        else:
+            entry.done.set_exception(error)
 
     async def _label_committed(self, created: GpuReservation) -> None:
         try:

@@ -261,3 +261,35 @@ async def test_a_decision_on_a_consistent_read_does_not_ride_on_our_own_later_co
         await ledger.commit(reservation=booking("b"), token=fresh.tokens[GPU.uuid], live=False)
     await settle()
     assert [p.rsplit("/", 1)[1] for p in reservations(kube)] == ["a"]
+
+
+async def test_commits_decided_together_share_one_bump(running: tuple[FakeKube, KubeLedger]) -> None:
+    kube, ledger = running
+    token = (await ledger.snapshot()).tokens[GPU.uuid]
+    commits = [
+        asyncio.create_task(ledger.commit(reservation=booking(f"t{i}"), token=token, live=True))
+        for i in range(6)
+    ]
+    made = await asyncio.gather(*commits)
+    bumps = sum(op == "merge_patch" and path == DEVICE for op, path in kube.calls)
+    assert len(reservations(kube)) == 6
+    assert bumps == 1  # all six were decided before the GPU's committer first ran: one group
+    newest = max(made, key=lambda c: int(c.meta.resource_version))
+    assert kube.objects[DEVICE]["metadata"]["annotations"][ANNOTATION_LEDGER] == (
+        f"jobs/{newest.name}@{newest.meta.resource_version}"
+    )
+
+
+async def test_a_caller_that_gives_up_leaves_no_booking(running: tuple[FakeKube, KubeLedger]) -> None:
+    kube, ledger = running
+    token = (await ledger.snapshot()).tokens[GPU.uuid]
+    first = asyncio.create_task(ledger.commit(reservation=booking("kept"), token=token, live=True))
+    queued = asyncio.create_task(ledger.commit(reservation=booking("given-up"), token=token, live=True))
+    await asyncio.sleep(0)
+    queued.cancel()
+    await first
+    with pytest.raises(asyncio.CancelledError):
+        await queued
+    await settle()
+    assert [p.rsplit("/", 1)[1] for p in reservations(kube)] == ["kept"]
+    assert {r.name for r in (await ledger.snapshot()).reservations} == {"kept"}
