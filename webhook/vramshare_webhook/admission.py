@@ -107,6 +107,8 @@ def not_an_earlier_pass(
 
 def _holds_booking(snapshot: Snapshot, namespace: str, pod: str) -> bool:
     """A pod of that name exists: a booking of it is Bound (or Lost) to it."""
+    if snapshot.index is not None:
+        return snapshot.index.holds_pod(namespace, pod)
     return any(
         r.namespace == namespace
         and r.pod == pod
@@ -293,7 +295,12 @@ class Admitter:
                     "holds a GPU reservation; vramshare books nothing for a pod that cannot be created"
                 )
         decision = choose(
-            alloc, snapshot.gpus, snapshot.reservations, settings=self.settings.allocation, now=self.clock()
+            alloc,
+            snapshot.gpus,
+            snapshot.reservations,
+            settings=self.settings.allocation,
+            now=self.clock(),
+            index=snapshot.index,
         )
         if not isinstance(decision, Choice):  # refuse only on a consistent view
             snapshot = await self.ledger.snapshot(fresh=True)
@@ -303,6 +310,7 @@ class Admitter:
                 snapshot.reservations,
                 settings=self.settings.allocation,
                 now=self.clock(),
+                index=snapshot.index,
             )
         if not isinstance(decision, Choice):
             message = refusal_message(

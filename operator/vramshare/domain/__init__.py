@@ -14,6 +14,7 @@ from vramshare.domain.allocation import (
     Refusal,
     choose,
 )
+from vramshare.domain.bookings import LedgerIndex
 from vramshare.domain.headroom import Headroom, headroom, is_unseen
 from vramshare.domain.lifecycle import (
     PodSighting,
@@ -44,6 +45,7 @@ __all__ = [
     "GpuVerdict",
     "Headroom",
     "InvalidRequestError",
+    "LedgerIndex",
     "PodSighting",
     "PodState",
     "Policy",

@@ -6,12 +6,13 @@ by the caller; the webhook commits the result atomically afterwards.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
 
 from vramshare.domain.accounting import Accounting, StaleGpuMode
-from vramshare.domain.headroom import Headroom, headroom
+from vramshare.domain.bookings import LedgerIndex
+from vramshare.domain.headroom import Headroom, booked, headroom_of
 from vramshare.domain.models import AllocationRequest, Gpu, Reservation
 
 
@@ -86,7 +87,7 @@ class Refusal:
 def _judge(
     gpu: Gpu,
     request: AllocationRequest,
-    reservations: Sequence[Reservation],
+    booked: Callable[[Gpu], tuple[int, int]],
     *,
     settings: AllocationSettings,
     now: float,
@@ -106,10 +107,11 @@ def _judge(
     stale = age > accounting.max_sample_age_s
     if stale and accounting.stale_mode is StaleGpuMode.REFUSE:
         return verdict(Exclusion.STALE)
-    room = headroom(
+    reserved, unseen = booked(gpu)
+    room = headroom_of(
         gpu,
-        reservations,
-        settle_s=accounting.settle_s,
+        reserved_mib=reserved,
+        unseen_mib=unseen,
         safety_margin_mib=accounting.safety_margin_mib,
         ledger_only=stale,
     )
@@ -127,20 +129,32 @@ def choose(
     *,
     settings: AllocationSettings,
     now: float,
+    index: LedgerIndex | None = None,
 ) -> Choice | Refusal:
     """Pick a GPU for `request` by `settings.policy`, or refuse with a verdict for every GPU.
 
+    The ledger is `reservations`, or, when given, `index` (the same, summed per GPU ahead of time).
     Ties are broken by node name, then index, then UUID, so the same inputs always give the same
     answer (replicas agree, tests are stable).
     """
-    # Group the ledger by GPU once, so the cost grows with GPUs + reservations, not their product.
-    by_gpu: dict[str, list[Reservation]] = {}
-    for r in reservations:
-        if r.is_active:
-            by_gpu.setdefault(r.gpu_uuid, []).append(r)
+    settle_s = settings.accounting.settle_s
+    if index is not None:
+
+        def booked_on(gpu: Gpu) -> tuple[int, int]:
+            return index.booked(gpu, settle_s=settle_s)
+
+    else:
+        # Group the ledger by GPU once, so the cost grows with GPUs + reservations, not their product.
+        by_gpu: dict[str, list[Reservation]] = {}
+        for r in reservations:
+            if r.is_active:
+                by_gpu.setdefault(r.gpu_uuid, []).append(r)
+
+        def booked_on(gpu: Gpu) -> tuple[int, int]:
+            return booked(gpu, by_gpu.get(gpu.uuid, []), settle_s=settle_s)
+
     verdicts = tuple(
-        _judge(gpu, request, by_gpu.get(gpu.uuid, []), settings=settings, now=now)
-        for gpu in sorted(gpus, key=_gpu_order)
+        _judge(gpu, request, booked_on, settings=settings, now=now) for gpu in sorted(gpus, key=_gpu_order)
     )
     fitting = [v for v in verdicts if v.fits and v.headroom is not None]
     if not fitting:

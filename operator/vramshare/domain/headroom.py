@@ -47,6 +47,19 @@ def is_unseen(reservation: Reservation, *, sampled_at: float, settle_s: float) -
     return started is None or started + settle_s > sampled_at
 
 
+def booked(gpu: Gpu, reservations: Iterable[Reservation], *, settle_s: float) -> tuple[int, int]:
+    """(reserved, unseen) MiB of the active reservations on `gpu` among `reservations`."""
+    reserved = 0
+    unseen = 0
+    for r in reservations:
+        if r.gpu_uuid != gpu.uuid or not r.is_active:
+            continue
+        reserved += r.mib
+        if is_unseen(r, sampled_at=gpu.sampled_at, settle_s=settle_s):
+            unseen += r.mib
+    return reserved, unseen
+
+
 def headroom(
     gpu: Gpu,
     reservations: Iterable[Reservation],
@@ -56,23 +69,29 @@ def headroom(
     ledger_only: bool = False,
 ) -> Headroom:
     """The headroom of `gpu`, counting only the active reservations on it among `reservations`."""
-    reserved = 0
-    unseen = 0
-    for r in reservations:
-        if r.gpu_uuid != gpu.uuid or not r.is_active:
-            continue
-        reserved += r.mib
-        if is_unseen(r, sampled_at=gpu.sampled_at, settle_s=settle_s):
-            unseen += r.mib
+    reserved, unseen = booked(gpu, reservations, settle_s=settle_s)
+    return headroom_of(
+        gpu,
+        reserved_mib=reserved,
+        unseen_mib=unseen,
+        safety_margin_mib=safety_margin_mib,
+        ledger_only=ledger_only,
+    )
+
+
+def headroom_of(
+    gpu: Gpu, *, reserved_mib: int, unseen_mib: int, safety_margin_mib: int, ledger_only: bool = False
+) -> Headroom:
+    """The headroom of `gpu` given what its active reservations add up to."""
     # What applications can ever have: the driver's own FB_RESERVED is never theirs.
-    by_ledger = gpu.total_mib - gpu.driver_reserved_mib - reserved
-    room = by_ledger if ledger_only else min(gpu.free_mib - unseen, by_ledger)
+    by_ledger = gpu.total_mib - gpu.driver_reserved_mib - reserved_mib
+    room = by_ledger if ledger_only else min(gpu.free_mib - unseen_mib, by_ledger)
     return Headroom(
         gpu_uuid=gpu.uuid,
         total_mib=gpu.total_mib,
         free_mib=gpu.free_mib,
-        reserved_mib=reserved,
-        unseen_mib=unseen,
+        reserved_mib=reserved_mib,
+        unseen_mib=unseen_mib,
         safety_margin_mib=safety_margin_mib,
         headroom_mib=room - safety_margin_mib,
         ledger_only=ledger_only,

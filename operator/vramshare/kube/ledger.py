@@ -50,7 +50,7 @@ from typing import Any
 
 import structlog
 
-from vramshare.domain import Gpu, Reservation
+from vramshare.domain import Gpu, LedgerIndex, Reservation
 from vramshare.kube.client import ApiError, KubeClient
 from vramshare.kube.objects import GpuDevice, GpuReservation
 from vramshare.kube.resources import (
@@ -83,6 +83,9 @@ class Snapshot:
     reservations: tuple[Reservation, ...]
     tokens: dict[str, str]
     """GPU UUID -> resourceVersion of its GpuDevice when read."""
+    index: LedgerIndex | None = None
+    """For a live view: the same ledger summed per GPU (then `reservations` is left empty). It is the
+    cache's own index, current only until the next await: decide on it at once."""
     live: bool = False
     """Built from the watch caches at the moment it was handed out, with every decision this process
     had made by then. Only such a view may commit on a token our own later commits moved (see
@@ -147,6 +150,9 @@ class KubeLedger:
             label_selector=ACTIVE,
             name="gpureservations",
         )
+        self.index = LedgerIndex()
+        """The reservations cache summed per GPU, kept in step with every change to it."""
+        self.reservations.on_change(self.index.put)
         self._own_tokens: dict[str, str] = {}
         """GPU UUID -> the token this process's last commit on it returned (no wait needed there)."""
         self._successor: dict[str, dict[str, str]] = {}
@@ -200,9 +206,7 @@ class KubeLedger:
             if gpu is not None:
                 gpus.append(gpu)
                 tokens[gpu.uuid] = device.ledger_token
-        return Snapshot(
-            gpus=tuple(gpus), reservations=tuple(self.reservations.items.values()), tokens=tokens, live=True
-        )
+        return Snapshot(gpus=tuple(gpus), reservations=(), index=self.index, tokens=tokens, live=True)
 
     async def _consistent(self) -> Snapshot:
         """A quorum read of both kinds. Callers that arrive while one is in flight wait for it and then

@@ -177,9 +177,11 @@ class WatchCache(Generic[T]):
     def put(self, key: str, item: T) -> None:
         """This process's own write, known before its event arrives (the event overwrites it)."""
         self.items[key] = item
+        self._notify(key, item)
 
     def drop(self, key: str) -> None:
-        self.items.pop(key, None)
+        if self.items.pop(key, None) is not None:
+            self._notify(key, None)
 
 
 class _GoneError(Exception):

@@ -1,0 +1,68 @@
+"""LedgerIndex: sums kept one change at a time agree with summing the whole ledger, always."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.unit.domain.builders import NOW
+from tests.unit.domain.test_properties import allocation_settings, fleet, requests, reservations
+from vramshare.domain import Gpu, LedgerIndex, Reservation, choose
+from vramshare.domain.headroom import booked
+
+KEYS = [f"ns/r{i}" for i in range(8)]
+
+
+@settings(max_examples=300)
+@given(
+    changes=st.lists(st.tuples(st.sampled_from(KEYS), st.none() | reservations()), max_size=40),
+    gpus=fleet(),
+    ages=st.lists(st.floats(0, 9), min_size=1, max_size=4),
+    settle=st.floats(0, 300),
+)
+def test_the_index_agrees_with_summing_the_ledger(
+    changes: list[tuple[str, Reservation | None]], gpus: list[Gpu], ages: list[float], settle: float
+) -> None:
+    index, ledger = LedgerIndex(), {}
+    # Samples only get newer (DCGM's own timestamps): each change is followed by newer ones.
+    samples = iter(sorted((NOW - 1_200 + i * 10 + age for i, _ in enumerate(changes) for age in ages)))
+    for key, reservation in changes:
+        index.put(key, reservation)
+        if reservation is None:
+            ledger.pop(key, None)
+        else:
+            ledger[key] = reservation
+        for _ in ages:
+            sampled_at = next(samples)
+            for gpu in gpus:
+                at = replace(gpu, sampled_at=sampled_at)
+                assert index.booked(at, settle_s=settle) == booked(at, ledger.values(), settle_s=settle)
+    active = [r for r in ledger.values() if r.is_active]
+    assert len(index) == len(active)
+
+
+@settings(max_examples=200)
+@given(
+    ledger=st.lists(reservations(), max_size=30), gpus=fleet(), config=allocation_settings, request=requests
+)
+def test_choose_decides_the_same_from_the_index(
+    ledger: list[Reservation], gpus: list[Gpu], config: object, request: object
+) -> None:
+    index = LedgerIndex()
+    for i, r in enumerate(ledger):
+        index.put(f"k{i}", r)
+    plain = choose(request, gpus, ledger, settings=config, now=NOW)  # type: ignore[arg-type]
+    indexed = choose(request, gpus, (), settings=config, now=NOW, index=index)  # type: ignore[arg-type]
+    assert plain == indexed
+
+
+def test_holds_pod_follows_bound_bookings() -> None:
+    index = LedgerIndex()
+    from tests.unit.domain.builders import reservation
+
+    index.put("ns/a", reservation(100, name="a"))  # Bound, pod task-1
+    assert index.holds_pod("airflow", "task-1")
+    index.put("ns/a", None)
+    assert not index.holds_pod("airflow", "task-1")
