@@ -40,8 +40,9 @@ MARGIN = 512
 TTL_S = 8
 SHARDS = ("r1", "r2", "r3")
 SIZES = (1000, 2000, 3000, 5000, 8000)
-QUOTA_NAMESPACE = "load-r3"
-QUOTA_PODS = 4  # well below what vramshare admits in that namespace, so the quota rejects some
+QUOTA_NAMESPACE = "load-quota"
+"""Every tenth pod of the load goes there; its quota admits none, so whatever vramshare books for them
+is rejected afterwards and must expire."""
 CONTROLLER_ENV = {
     "VRAMSHARE_POLL_INTERVAL_S": "1",
     "VRAMSHARE_LIFECYCLE_INTERVAL_S": "1",
@@ -92,14 +93,14 @@ def stack() -> Iterator[Stack]:
         # server reinvokes it), and a quota that rejects pods after vramshare booked them.
         start_mutating_webhook(cluster, mode="label")
         start_mutating_webhook(cluster, mode="sidecar")
-        for shard in SHARDS:
+        for name, shard in [*((f"load-{s}", s) for s in SHARDS), (QUOTA_NAMESPACE, "r1")]:
             cluster.apply_objects(
                 [
                     {
                         "apiVersion": "v1",
                         "kind": "Namespace",
                         "metadata": {
-                            "name": f"load-{shard}",
+                            "name": name,
                             "labels": {
                                 "vramshare-e2e/shard": shard,
                                 "e2e.vramshare.io/label": "on",
@@ -115,7 +116,7 @@ def stack() -> Iterator[Stack]:
                     "apiVersion": "v1",
                     "kind": "ResourceQuota",
                     "metadata": {"name": "pods", "namespace": QUOTA_NAMESPACE},
-                    "spec": {"hard": {"pods": str(QUOTA_PODS)}},
+                    "spec": {"hard": {"pods": "0"}},
                 }
             ]
         )
@@ -197,7 +198,7 @@ def test_concurrency_with_crashes_keeps_every_promise(stack: Stack) -> None:
     lock = threading.Lock()
 
     def create(i: int) -> None:
-        ns = f"load-{SHARDS[i % 3]}"
+        ns = QUOTA_NAMESPACE if i % 10 == 9 else f"load-{SHARDS[i % 3]}"
         try:
             pod = stack.core.create_namespaced_pod(ns, gpu_pod(f"p{i}", sizes[i]))
         except ApiException as exc:
@@ -292,7 +293,6 @@ def test_concurrency_with_crashes_keeps_every_promise(stack: Stack) -> None:
     assert expired >= outcomes["quota"]
     for shard in SHARDS:
         stack.cluster.kubectl("delete", "pods", "--all", "-n", f"load-{shard}", "--wait=false")
-    stack.cluster.kubectl("delete", "resourcequota", "pods", "-n", QUOTA_NAMESPACE)  # the later tests' pods
 
 
 def test_api_server_restart_is_survived_without_restarting_vramshare(stack: Stack) -> None:
