@@ -301,6 +301,7 @@ class Admitter:
             settings=self.settings.allocation,
             now=self.clock(),
             index=snapshot.index,
+            prefer=self.settings.identity,
         )
         if not isinstance(decision, Choice):  # refuse only on a consistent view
             snapshot = await self.ledger.snapshot(fresh=True)
@@ -311,6 +312,7 @@ class Admitter:
                 settings=self.settings.allocation,
                 now=self.clock(),
                 index=snapshot.index,
+                prefer=self.settings.identity,
             )
         if not isinstance(decision, Choice):
             message = refusal_message(

@@ -7,8 +7,10 @@ process with a message naming the variable, the value and what is accepted.
 
 from __future__ import annotations
 
+import os
+import socket
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
 from vramshare.domain import DEFAULT_ANNOTATION, DEFAULT_MAX_MIB, Accounting, AllocationSettings, Policy
@@ -31,6 +33,11 @@ class WebhookSettings:
     """The pod annotation carrying the memory request in MiB."""
     max_request_mib: int = DEFAULT_MAX_MIB
     policy: Policy = Policy.SPREAD
+    near_tie_mib: int = 512
+    """GPUs within this of the policy's best count as tied; ties go to this replica's own preferred
+    GPU, so replicas deciding at once rarely pick the same one and conflict. 0: the strict policy."""
+    identity: str = ""
+    """This replica's name (the chart sets the pod name); defaults to hostname-pid."""
     accounting: Accounting = field(default_factory=Accounting)
     """Shared with the controller: VRAMSHARE_SAFETY_MARGIN_MIB, _SETTLE_S, _MAX_SAMPLE_AGE_S, _STALE_MODE."""
     denial_code: int = 403
@@ -65,7 +72,9 @@ class WebhookSettings:
 
     @property
     def allocation(self) -> AllocationSettings:
-        return AllocationSettings(policy=self.policy, accounting=self.accounting)
+        return AllocationSettings(
+            policy=self.policy, accounting=self.accounting, near_tie_mib=self.near_tie_mib
+        )
 
     @property
     def retry_hint(self) -> str:
@@ -79,6 +88,8 @@ class WebhookSettings:
         check_accounting(self.accounting)
         if not 0 < self.decision_deadline_s <= 29:
             raise invalid("decision_deadline_s", self.decision_deadline_s, "seconds between 0 and 29")
+        if self.near_tie_mib < 0:
+            raise invalid("near_tie_mib", self.near_tie_mib, "0 or more MiB")
         if self.reinvocation_window_s <= 0:
             raise invalid("reinvocation_window_s", self.reinvocation_window_s, "a positive number of seconds")
         if self.tls_mode is TlsMode.FILES and not (self.tls_cert_file and self.tls_key_file):
@@ -101,4 +112,7 @@ class WebhookSettings:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> WebhookSettings:
-        return from_env(cls(), env).validate()
+        settings = from_env(cls(), env).validate()
+        if not settings.identity:
+            settings = replace(settings, identity=f"{socket.gethostname()}-{os.getpid()}")
+        return settings

@@ -6,6 +6,7 @@ by the caller; the webhook commits the result atomically afterwards.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -41,6 +42,9 @@ class AllocationSettings:
 
     policy: Policy = Policy.SPREAD
     accounting: Accounting = field(default_factory=Accounting)
+    near_tie_mib: int = 0
+    """GPUs whose headroom is within this of the policy's best count as tied; ties go to the one the
+    deciding replica prefers (see `choose`), so replicas deciding at once rarely pick the same GPU."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -122,6 +126,13 @@ def _gpu_order(gpu: Gpu) -> tuple[str, int, str]:
     return (gpu.node, gpu.index, gpu.uuid)
 
 
+def _rank(prefer: str, gpu: Gpu) -> int:
+    """A replica's own stable order of the GPUs (0 for all when it states no preference)."""
+    if not prefer:
+        return 0
+    return int.from_bytes(hashlib.blake2s(f"{prefer}/{gpu.uuid}".encode(), digest_size=4).digest(), "big")
+
+
 def choose(
     request: AllocationRequest,
     gpus: Iterable[Gpu],
@@ -130,12 +141,15 @@ def choose(
     settings: AllocationSettings,
     now: float,
     index: LedgerIndex | None = None,
+    prefer: str = "",
 ) -> Choice | Refusal:
     """Pick a GPU for `request` by `settings.policy`, or refuse with a verdict for every GPU.
 
     The ledger is `reservations`, or, when given, `index` (the same, summed per GPU ahead of time).
-    Ties are broken by node name, then index, then UUID, so the same inputs always give the same
-    answer (replicas agree, tests are stable).
+    GPUs within `settings.near_tie_mib` of the best are tied. Ties go first to the GPU that `prefer`
+    (the deciding replica's name) ranks highest, then by node name, index and UUID. Replicas that
+    decide at once then spread over near-equal GPUs instead of all taking the same one and
+    conflicting at commit. The same inputs and `prefer` always give the same answer.
     """
     settle_s = settings.accounting.settle_s
     if index is not None:
@@ -160,6 +174,8 @@ def choose(
     if not fitting:
         return Refusal(request=request, verdicts=verdicts)
     sign = -1 if settings.policy is Policy.SPREAD else 1
-    best = min(fitting, key=lambda v: (sign * v.headroom.headroom_mib, *_gpu_order(v.gpu)))  # type: ignore[union-attr]
+    top = min(sign * v.headroom.headroom_mib for v in fitting)  # type: ignore[union-attr]
+    tied = [v for v in fitting if sign * v.headroom.headroom_mib - top <= settings.near_tie_mib]  # type: ignore[union-attr]
+    best = min(tied, key=lambda v: (_rank(prefer, v.gpu), sign * v.headroom.headroom_mib, *_gpu_order(v.gpu)))  # type: ignore[union-attr]
     assert best.headroom is not None
     return Choice(request=request, gpu=best.gpu, headroom=best.headroom, verdicts=verdicts)

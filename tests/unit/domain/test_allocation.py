@@ -131,3 +131,25 @@ def test_several_allowed_nodes_limit_candidates() -> None:
     )
     assert isinstance(decision, Choice)
     assert decision.gpu.uuid == "GPU-small"
+
+
+def test_near_ties_go_to_each_replicas_own_preference() -> None:
+    gpus = [gpu(f"GPU-{i}", index=i, total=16_384, used=i * 100) for i in range(4)]  # headroom 16384..16084
+    far = gpu("GPU-far", index=9, total=8_192)  # 8 GiB less: never tied with the best
+    settings = AllocationSettings(accounting=Accounting(safety_margin_mib=0), near_tie_mib=512)
+    picks = {
+        choose(request(1_000), [*gpus, far], [], settings=settings, now=NOW, prefer=f"replica-{r}").gpu.uuid  # type: ignore[union-attr]
+        for r in range(8)
+    }
+    assert len(picks) > 1, "replicas should not all prefer the same GPU"
+    assert "GPU-far" not in picks
+    # The same replica always decides the same way.
+    again = choose(request(1_000), [*gpus, far], [], settings=settings, now=NOW, prefer="replica-0")
+    first = choose(request(1_000), [*gpus, far], [], settings=settings, now=NOW, prefer="replica-0")
+    assert isinstance(again, Choice)
+    assert isinstance(first, Choice)
+    assert again.gpu == first.gpu
+    # Without a preference, or with no tolerance, the strict policy.
+    strict = choose(request(1_000), [*gpus, far], [], settings=NO_MARGIN, now=NOW, prefer="replica-3")
+    assert isinstance(strict, Choice)
+    assert strict.gpu.uuid == "GPU-0"
