@@ -11,6 +11,7 @@ import asyncio
 import secrets
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import structlog
@@ -103,6 +104,13 @@ def not_an_earlier_pass(
     if ANNOTATION_REINVOKED in existing.meta.annotations:
         return "the reservation was already taken up by a reinvocation"
     return None
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Conflicted:
+    """The commit on this GPU lost a race: decide again."""
+
+    gpu_uuid: str
 
 
 def _holds_booking(snapshot: Snapshot, namespace: str, pod: str) -> bool:
@@ -266,14 +274,17 @@ class Admitter:
         budget = self.settings.decision_deadline_s
         deadline = time.monotonic() + max(budget / 2, budget - 1.0)
         attempt = 0
+        avoid: frozenset[str] = frozenset()
         while True:
             attempt += 1
             tried = {**details, "attempts": attempt}
             # No lock: a decision joins this process's view before its commit's first await, so the
             # next one counts it; replicas race, and the commit's precondition settles that.
-            decision = await self._attempt(request, facts, alloc=alloc, details=tried)
-            if decision is not None:
+            decision = await self._attempt(request, facts, alloc=alloc, details=tried, avoid=avoid)
+            if not isinstance(decision, _Conflicted):
                 return decision
+            # Another replica is committing on that GPU: among near ties, try another one next.
+            avoid = avoid | {decision.gpu_uuid}
             self.metrics.conflicts.inc()
             if time.monotonic() >= deadline:
                 return self._contention(request, facts, mib=mib, details=tried)
@@ -281,9 +292,15 @@ class Admitter:
             await asyncio.sleep(min(backoff, max(0.0, deadline - time.monotonic())))
 
     async def _attempt(
-        self, request: rv.Request, facts: PodFacts, *, alloc: AllocationRequest, details: dict[str, Any]
-    ) -> Decision | None:
-        """Decide on a snapshot and commit; None when the chosen GPU's ledger moved meanwhile."""
+        self,
+        request: rv.Request,
+        facts: PodFacts,
+        *,
+        alloc: AllocationRequest,
+        details: dict[str, Any],
+        avoid: frozenset[str],
+    ) -> Decision | _Conflicted:
+        """Decide on a snapshot and commit; `_Conflicted` when the chosen GPU's ledger moved meanwhile."""
         choosing = time.perf_counter()
         snapshot = await self.ledger.snapshot()
         if request.name and _holds_booking(snapshot, request.namespace, request.name):
@@ -302,6 +319,7 @@ class Admitter:
             now=self.clock(),
             index=snapshot.index,
             prefer=self.settings.identity,
+            avoid=avoid,
         )
         if not isinstance(decision, Choice):  # refuse only on a consistent view
             snapshot = await self.ledger.snapshot(fresh=True)
@@ -313,6 +331,7 @@ class Admitter:
                 now=self.clock(),
                 index=snapshot.index,
                 prefer=self.settings.identity,
+                avoid=avoid,
             )
         if not isinstance(decision, Choice):
             message = refusal_message(
@@ -344,7 +363,7 @@ class Admitter:
         try:
             await self.ledger.commit(reservation=booking, token=snapshot.tokens[gpu.uuid], live=snapshot.live)
         except CommitConflictError:
-            return None
+            return _Conflicted(gpu_uuid=gpu.uuid)
         finally:
             self.metrics.commit_seconds.observe(time.perf_counter() - committing)
         return Admit(placement=placement, patch=patch, reason=Reason.FITS, details=admitted)

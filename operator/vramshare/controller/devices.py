@@ -82,6 +82,23 @@ def device_status(judged: Judged, previous: DeviceStatus | None, *, now: float) 
     )
 
 
+def _worth_writing(desired: DeviceStatus, previous: DeviceStatus | None, *, refresh_s: float) -> bool:
+    """Whether the status changed enough to write. A new sample with the same figures only moves
+    `sampledAt`/`lastSeenAt`; those are refreshed every `refresh_s` (a quarter of the maximum sample
+    age), not every poll. Every write moves the GPU's ledger token, and so makes the commits in flight
+    on it conflict: writing only what matters keeps admissions from retrying for nothing. A stored
+    sample time that lags makes decisions count more memory as not yet visible, never less."""
+    if previous is None:
+        return True
+    times = ("sampledAt", "lastSeenAt")
+    now_wire = {k: v for k, v in desired.to_wire().items() if k not in times}
+    before_wire = {k: v for k, v in previous.to_wire().items() if k not in times}
+    if now_wire != before_wire:
+        return True
+    seen_lag = (desired.last_seen_at or 0.0) - (previous.last_seen_at or 0.0)
+    return desired.sampled_at - previous.sampled_at >= refresh_s or seen_lag >= refresh_s
+
+
 def _overused(status: DeviceStatus | None) -> bool:
     condition = status.condition("MemoryOverused") if status is not None else None
     return condition is not None and condition.status
@@ -107,6 +124,7 @@ class InventoryLoop:
         self.metrics = metrics
         self.clock = clock
         self.presence = GpuPresence()
+        self._last_seen: dict[str, float] = {}
         """Which GPUs the last poll found gone; read by the reservation reconciler."""
         self.outage: str | None = None
 
@@ -142,7 +160,10 @@ class InventoryLoop:
         for device in devices:
             gpu = device.to_domain()
             if gpu is not None and device.status is not None and device.status.last_seen_at is not None:
-                known.append(Known(gpu=gpu, last_seen_at=device.status.last_seen_at))
+                # The stored times lag by up to a refresh interval (see _worth_writing); this
+                # leader's own memory of the last sighting is newer.
+                seen = max(device.status.last_seen_at, self._last_seen.get(gpu.uuid, 0.0))
+                known.append(Known(gpu=gpu, last_seen_at=seen))
         statuses = observe(
             known=known,
             samples=reading.samples if reading else [],
@@ -178,7 +199,8 @@ class InventoryLoop:
             await self.kube.merge_patch(devices_path(device.meta.name), {"spec": changed})
         previous = device.status
         desired = device_status(judged, previous, now=now)
-        if previous is not None and desired.to_wire() == previous.to_wire():
+        self._last_seen[gpu.uuid] = judged.last_seen_at
+        if not _worth_writing(desired, previous, refresh_s=self.settings.accounting.max_sample_age_s / 4):
             return
         written = await self.kube.merge_patch(
             f"{devices_path(device.meta.name)}/status", {"status": desired.to_wire()}

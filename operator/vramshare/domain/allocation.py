@@ -7,7 +7,7 @@ by the caller; the webhook commits the result atomically afterwards.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -142,6 +142,7 @@ def choose(
     now: float,
     index: LedgerIndex | None = None,
     prefer: str = "",
+    avoid: Collection[str] = (),
 ) -> Choice | Refusal:
     """Pick a GPU for `request` by `settings.policy`, or refuse with a verdict for every GPU.
 
@@ -149,7 +150,8 @@ def choose(
     GPUs within `settings.near_tie_mib` of the best are tied. Ties go first to the GPU that `prefer`
     (the deciding replica's name) ranks highest, then by node name, index and UUID. Replicas that
     decide at once then spread over near-equal GPUs instead of all taking the same one and
-    conflicting at commit. The same inputs and `prefer` always give the same answer.
+    conflicting at commit. Tied GPUs in `avoid` (where this request's last commit conflicted) come
+    last. The same inputs, `prefer` and `avoid` always give the same answer.
     """
     settle_s = settings.accounting.settle_s
     if index is not None:
@@ -176,6 +178,14 @@ def choose(
     sign = -1 if settings.policy is Policy.SPREAD else 1
     top = min(sign * v.headroom.headroom_mib for v in fitting)  # type: ignore[union-attr]
     tied = [v for v in fitting if sign * v.headroom.headroom_mib - top <= settings.near_tie_mib]  # type: ignore[union-attr]
-    best = min(tied, key=lambda v: (_rank(prefer, v.gpu), sign * v.headroom.headroom_mib, *_gpu_order(v.gpu)))  # type: ignore[union-attr]
+    best = min(
+        tied,
+        key=lambda v: (
+            v.gpu.uuid in avoid,
+            _rank(prefer, v.gpu),
+            sign * v.headroom.headroom_mib,  # type: ignore[union-attr]
+            *_gpu_order(v.gpu),
+        ),
+    )
     assert best.headroom is not None
     return Choice(request=request, gpu=best.gpu, headroom=best.headroom, verdicts=verdicts)

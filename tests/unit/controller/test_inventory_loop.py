@@ -139,3 +139,25 @@ async def test_a_stale_sample_flips_the_conditions_and_keeps_transition_times() 
         assert missing is not None
         assert (stale.status, stale.last_transition) == (True, NOW + 500)
         assert (missing.status, missing.last_transition) == (False, NOW + 1)
+
+
+async def test_a_new_sample_with_the_same_figures_is_written_only_every_refresh_interval() -> None:
+    """Every status write moves the GPU's ledger token (and fails the commits in flight on it)."""
+    now = [NOW + 1]
+    source = Source(SAMPLE)
+    async with loop(source, now) as (kube, inventory):
+        await inventory.poll()
+        writes = status_writes(kube)
+        for later in (5, 10, 20):  # fresh samples, same figures: within a quarter of the 120 s max age
+            source.samples = [replace(SAMPLE, sampled_at=NOW + later)]
+            now[0] = NOW + later + 1
+            await inventory.poll()
+        assert status_writes(kube) == writes
+        source.samples = [replace(SAMPLE, sampled_at=NOW + 31)]
+        now[0] = NOW + 32
+        await inventory.poll()
+        assert status_writes(kube) == writes + 1
+        source.samples = [replace(SAMPLE, sampled_at=NOW + 35, used_mib=1_000, free_mib=15_000)]
+        now[0] = NOW + 36
+        await inventory.poll()  # new figures: written at once
+        assert status_writes(kube) == writes + 2
