@@ -41,8 +41,8 @@ TTL_S = 8
 SHARDS = ("r1", "r2", "r3")
 SIZES = (1000, 2000, 3000, 5000, 8000)
 QUOTA_NAMESPACE = "load-quota"
-"""Every tenth pod of the load goes there; its quota admits none, so whatever vramshare books for them
-is rejected afterwards and must expire."""
+"""Its quota admits no pod, so whatever vramshare books there is rejected afterwards and must expire."""
+QUOTA_PODS = 5
 CONTROLLER_ENV = {
     "VRAMSHARE_POLL_INTERVAL_S": "1",
     "VRAMSHARE_LIFECYCLE_INTERVAL_S": "1",
@@ -168,7 +168,7 @@ def test_concurrency_with_crashes_keeps_every_promise(stack: Stack) -> None:
     SIGKILLed mid-load and restarted, and so is the active controller. Checked continuously and after."""
     capacity = stack.capacity()
     rng = random.Random(7)
-    sizes = [rng.choice(SIZES) for _ in range(PODS)]
+    sizes = [rng.choice(SIZES) for _ in range(PODS + QUOTA_PODS)]
     violations: list[str] = []
     peak: dict[str, int] = defaultdict(int)
     stop = threading.Event()
@@ -197,8 +197,8 @@ def test_concurrency_with_crashes_keeps_every_promise(stack: Stack) -> None:
     admitted: dict[tuple[str, str], str] = {}
     lock = threading.Lock()
 
-    def create(i: int) -> None:
-        ns = QUOTA_NAMESPACE if i % 10 == 9 else f"load-{SHARDS[i % 3]}"
+    def create(i: int, ns: str | None = None) -> None:
+        ns = ns or f"load-{SHARDS[i % 3]}"
         try:
             pod = stack.core.create_namespaced_pod(ns, gpu_pod(f"p{i}", sizes[i]))
         except ApiException as exc:
@@ -220,6 +220,9 @@ def test_concurrency_with_crashes_keeps_every_promise(stack: Stack) -> None:
     standby = "controller-2" if leader == "controller-1" else "controller-1"
     started = time.monotonic()
     failover_s = None
+    # First, while the fleet is empty, pods that vramshare admits and the quota then rejects.
+    for i in range(QUOTA_PODS):
+        create(PODS + i, QUOTA_NAMESPACE)
     with ThreadPoolExecutor(max_workers=48) as pool:
         futures = [pool.submit(create, i) for i in range(PODS)]
         while sum(f.done() for f in futures) < PODS // 3:
@@ -249,7 +252,7 @@ def test_concurrency_with_crashes_keeps_every_promise(stack: Stack) -> None:
     assert violations == [], violations[:3]
     assert outcomes["admitted"] > 0
     assert outcomes["refused"] > 0  # the fleet was oversubscribed
-    assert outcomes["quota"] > 0  # rejected by the quota after vramshare booked them
+    assert outcomes["quota"] == QUOTA_PODS  # rejected by the quota after vramshare booked them
     assert set(outcomes) <= {"admitted", "refused", "quota", "webhook-down"}, outcomes
 
     # After the TTL: exactly one active reservation per admitted pod, none for refused or failed ones,
