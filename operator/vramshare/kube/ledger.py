@@ -8,12 +8,15 @@ Commit protocol (optimistic concurrency, no lock held anywhere across processes)
 4. Create the GpuReservation, then bump the chosen GPU's token with a merge patch that carries the
    token from step 1 as a precondition and names the new reservation with its own resourceVersion
    (annotation `vramshare.io/last-reservation: <namespace>/<name>@<resourceVersion>`).
-5. If the token moved (409 Conflict: another replica committed on that GPU, or new metrics arrived),
-   delete our reservation and start again. Otherwise label it committed (off the answer's path), so
-   observers of the ledger can tell it from a candidate that may still be withdrawn.
+5. If the token moved because another replica committed on that GPU (409 Conflict, and the device
+   names another last reservation), delete our reservation and start again. A 409 from a status
+   write alone (the controller recording a new sample) names the same last reservation: nothing was
+   committed meanwhile, so the bump is retried on the new resourceVersion. Otherwise label the
+   reservation committed (off the answer's path), so observers of the ledger can tell it from a
+   candidate that may still be withdrawn.
 
-Any commit on a GPU between our steps 1 and 4 moves its token, so two admissions can never both
-succeed on a view that misses the other.
+Any commit on a GPU between our steps 1 and 4 moves its token and names a new reservation (names
+are unique), so two admissions can never both succeed on a view that misses the other.
 
 **Where the view comes from.** Each replica keeps GpuDevices and active GpuReservations in memory,
 fed by LIST+WATCH (`WatchCache`), and decides from that: no LIST per request. The view used for a
@@ -51,7 +54,7 @@ from typing import Any
 import structlog
 
 from vramshare.domain import Gpu, LedgerIndex, Reservation
-from vramshare.kube.client import ApiError, KubeClient
+from vramshare.kube.client import ApiError, KubeClient, Obj
 from vramshare.kube.objects import GpuDevice, GpuReservation
 from vramshare.kube.resources import (
     ANNOTATION_LEDGER,
@@ -156,6 +159,9 @@ class KubeLedger:
         self._own_tokens: dict[str, str] = {}
         """GPU UUID -> the token this process's last commit on it returned (no wait needed there)."""
         self._successor: dict[str, dict[str, str]] = {}
+        self._marks: dict[str, str] = {}
+        """Token -> the last reservation the GPU named at that token (to tell a commit from a new
+        sample when a bump meets a 409)."""
         """GPU UUID -> {token: the token our commit on it returned}, to chain our own commits."""
         self._queues: dict[str, list[_Pending]] = {}
         """GPU UUID -> commits decided and waiting for that GPU, in the order they were decided."""
@@ -206,6 +212,7 @@ class KubeLedger:
             if gpu is not None:
                 gpus.append(gpu)
                 tokens[gpu.uuid] = device.ledger_token
+                self._remember_mark(device)
         return Snapshot(gpus=tuple(gpus), reservations=(), index=self.index, tokens=tokens, live=True)
 
     async def _consistent(self) -> Snapshot:
@@ -239,6 +246,7 @@ class KubeLedger:
             if gpu is not None:
                 gpus.append(gpu)
                 tokens[gpu.uuid] = device.ledger_token
+                self._remember_mark(device)
         reservations = tuple(GpuReservation.from_wire(o).to_domain() for o in listed.get("items", []))
         # This process's reservations decided but not yet created count too.
         listed_names = {(r.namespace, r.name) for r in reservations}
@@ -390,17 +398,9 @@ class KubeLedger:
         if not made:
             return
         newest = max((c for _, c in made), key=lambda c: int(c.meta.resource_version or 0))
+        mark = f"{newest.key}@{newest.meta.resource_version}"
         try:
-            self.on_write("gpudevices", "patch")
-            bumped = await self.kube.merge_patch(
-                devices_path(device_name(gpu_uuid)),
-                {
-                    "metadata": {
-                        "resourceVersion": token,
-                        "annotations": {ANNOTATION_LEDGER: f"{newest.key}@{newest.meta.resource_version}"},
-                    }
-                },
-            )
+            bumped = await self._bump(gpu_uuid, token=token, mark=mark)
         except BaseException as exc:
             # The token moved, the GPU is gone, the API server failed, or we were cancelled: nobody
             # will be told of these bookings, so none may stand.
@@ -415,6 +415,7 @@ class KubeLedger:
                 raise  # this GPU's committer is being shut down
             return
         new_token = bumped["metadata"]["resourceVersion"]
+        self._marks[new_token] = mark
         chain = self._successor.setdefault(gpu_uuid, {})
         chain[token] = new_token
         if len(chain) > 256:  # decisions older than that many own commits conflict and decide again
@@ -428,6 +429,36 @@ class KubeLedger:
             self.reservations.put(entry.key, created.to_domain())
             self._later(self._label_committed(created))
             entry.done.set_result(created)
+
+    def _remember_mark(self, device: GpuDevice) -> None:
+        self._marks[device.ledger_token] = device.meta.annotations.get(ANNOTATION_LEDGER, "")
+        if len(self._marks) > 4096:
+            del self._marks[next(iter(self._marks))]
+
+    async def _bump(self, gpu_uuid: str, *, token: str, mark: str) -> Obj:
+        """Move the GPU's token from `token`, naming the newest reservation (`mark`).
+
+        The token is the GpuDevice's resourceVersion, so the controller's status writes (new samples)
+        move it too. A 409 is therefore checked: if the device still names the same last reservation
+        as it did at `token`, no commit happened since, and the bump is retried on the new
+        resourceVersion instead of failing every commit in flight on that GPU."""
+        path = devices_path(device_name(gpu_uuid))
+        for _ in range(5):
+            try:
+                self.on_write("gpudevices", "patch")
+                return await self.kube.merge_patch(
+                    path, {"metadata": {"resourceVersion": token, "annotations": {ANNOTATION_LEDGER: mark}}}
+                )
+            except ApiError as exc:
+                expected = self._marks.get(token)
+                if not exc.conflict or expected is None:
+                    raise
+                current = GpuDevice.from_wire(await self.kube.get(path))
+                if current.meta.annotations.get(ANNOTATION_LEDGER, "") != expected:
+                    raise  # another commit landed on this GPU: decide again
+                token = current.ledger_token
+                self._remember_mark(current)
+        raise CommitConflictError(f"GPU {gpu_uuid} kept changing")
 
     def _fail(self, entry: _Pending, error: BaseException) -> None:
         self.reservations.drop(entry.key)

@@ -143,7 +143,8 @@ async def test_own_decisions_join_the_view_before_their_commit_completes(
 async def test_a_moved_token_withdraws_the_booking(running: tuple[FakeKube, KubeLedger]) -> None:
     kube, ledger = running
     snap = await ledger.snapshot()
-    await kube.merge_patch(DEVICE, {"metadata": {"annotations": {"other": "commit"}}})  # another replica
+    # Another replica's commit: the device names another last reservation.
+    await kube.merge_patch(DEVICE, {"metadata": {"annotations": {ANNOTATION_LEDGER: "jobs/theirs@1"}}})
     with pytest.raises(CommitConflictError):
         await ledger.commit(reservation=booking(), token=snap.tokens[GPU.uuid])
     await settle()
@@ -299,3 +300,15 @@ async def test_a_caller_that_gives_up_leaves_no_booking(running: tuple[FakeKube,
     await settle()
     assert [p.rsplit("/", 1)[1] for p in reservations(kube)] == ["kept"]
     assert names(await ledger.snapshot()) == {"kept"}
+
+
+async def test_a_new_sample_does_not_fail_a_commit(running: tuple[FakeKube, KubeLedger]) -> None:
+    """The controller's status write moves the resourceVersion but commits nothing: the bump is retried."""
+    kube, ledger = running
+    snap = await ledger.snapshot()
+    await kube.merge_patch(f"{DEVICE}/status", {"status": {"usedMiB": 100, "freeMiB": 16_284}})
+    created = await ledger.commit(reservation=booking(), token=snap.tokens[GPU.uuid], live=True)
+    assert kube.objects[DEVICE]["metadata"]["annotations"][ANNOTATION_LEDGER] == (
+        f"jobs/task-1@{created.meta.resource_version}"
+    )
+    assert len(reservations(kube)) == 1
