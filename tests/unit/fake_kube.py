@@ -9,6 +9,7 @@ integration tests run against a real one.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import datetime as dt
 from collections.abc import AsyncIterator, Callable
@@ -194,3 +195,19 @@ def _in_all_namespaces(path: str, collection: str) -> bool:
     """A cluster-wide list (/apis/g/v/kind) also returns namespaced objects of that kind."""
     group, _, kind = collection.rpartition("/")
     return path.startswith(f"{group}/namespaces/") and f"/{kind}/" in path
+
+
+@contextlib.asynccontextmanager
+async def fed_state(kube: FakeKube) -> AsyncIterator[Any]:
+    """The controller's ClusterState, synced from `kube` and following it until the block ends."""
+    from vramshare.controller.state import ClusterState
+
+    state = ClusterState(kube)  # type: ignore[arg-type]
+    feeding = asyncio.create_task(state.run())
+    try:
+        await asyncio.wait_for(state.wait_synced(), 2)
+        yield state
+    finally:
+        feeding.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await feeding

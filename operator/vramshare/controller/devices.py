@@ -184,12 +184,13 @@ class InventoryLoop:
         gpu = judged.gpu
         spec = DeviceSpec(uuid=gpu.uuid, node_name=gpu.node, index=gpu.index, model=gpu.model)
         if device is None:
+            new = GpuDevice.new(spec)
             try:
-                created = await self.kube.create(devices_path(), GpuDevice.new(spec).to_wire())
+                created = await self.kube.create(devices_path(), new.to_wire())
             except ApiError as exc:
                 if not exc.conflict:
                     raise
-                created = await self.kube.get(devices_path(GpuDevice.new(spec).meta.name))  # cache behind
+                created = await self.kube.get(devices_path(new.meta.name))  # the cache was behind
             device = GpuDevice.from_wire(created)
             self.state.devices.put(f"/{device.meta.name}", device)
             log.info("GPU discovered", uuid=gpu.uuid, node=gpu.node, index=gpu.index, model=gpu.model)

@@ -3,17 +3,15 @@ writes only on change, one overuse event per episode, presence handed to the rec
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
 from tests.unit.domain.builders import NOW
-from tests.unit.fake_kube import FakeKube
+from tests.unit.fake_kube import FakeKube, fed_state
 from vramshare.controller.devices import InventoryLoop
 from vramshare.controller.metrics import ControllerMetrics
 from vramshare.controller.settings import ControllerSettings
-from vramshare.controller.state import ClusterState
 from vramshare.domain import Accounting
 from vramshare.domain.inventory import Sample
 from vramshare.kube.objects import GpuDevice
@@ -49,24 +47,17 @@ class Source:
 async def loop(source: Source, now: list[float]) -> AsyncIterator[tuple[FakeKube, InventoryLoop]]:
     kube = FakeKube()
     await kube.create("/api/v1/nodes", {"metadata": {"name": "node-a"}})
-    state = ClusterState(kube)  # type: ignore[arg-type]
-    feeding = asyncio.create_task(state.run())
-    await asyncio.wait_for(state.wait_synced(), 2)
-    settings = ControllerSettings(accounting=Accounting(safety_margin_mib=512), identity="test")
-    inventory = InventoryLoop(
-        kube=kube,  # type: ignore[arg-type]
-        source=source,  # type: ignore[arg-type]
-        settings=settings,
-        metrics=ControllerMetrics(),
-        state=state,
-        clock=lambda: now[0],
-    )
-    try:
+    async with fed_state(kube) as state:
+        settings = ControllerSettings(accounting=Accounting(safety_margin_mib=512), identity="test")
+        inventory = InventoryLoop(
+            kube=kube,  # type: ignore[arg-type]
+            source=source,  # type: ignore[arg-type]
+            settings=settings,
+            metrics=ControllerMetrics(),
+            state=state,
+            clock=lambda: now[0],
+        )
         yield kube, inventory
-    finally:
-        feeding.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await feeding
 
 
 def status_writes(kube: FakeKube) -> int:

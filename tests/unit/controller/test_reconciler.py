@@ -10,11 +10,10 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from tests.unit.domain.builders import NOW, gpu
-from tests.unit.fake_kube import FakeKube
+from tests.unit.fake_kube import FakeKube, fed_state
 from vramshare.controller.metrics import ControllerMetrics
 from vramshare.controller.reservations import ReservationReconciler
 from vramshare.controller.settings import ControllerSettings
-from vramshare.controller.state import ClusterState
 from vramshare.domain.inventory import GpuPresence
 from vramshare.kube.objects import GpuReservation
 from vramshare.kube.resources import format_time, reservations_path
@@ -34,22 +33,15 @@ async def setup(
         name="task-ab12", namespace="jobs", pod="task", mib=4096, gpu=GPU, admission_uid="u1", user="airflow"
     )
     await kube.create(reservations_path("jobs"), booking.to_wire())
-    state = ClusterState(kube)  # type: ignore[arg-type]
-    feeding = asyncio.create_task(state.run())
-    await asyncio.wait_for(state.wait_synced(), 2)
-    reconciler = ReservationReconciler(
-        kube=kube,  # type: ignore[arg-type]
-        settings=ControllerSettings(reservation_ttl_s=ttl_s, identity="test"),
-        metrics=ControllerMetrics(),
-        state=state,
-        clock=lambda: clock[0],
-    )
-    try:
+    async with fed_state(kube) as state:
+        reconciler = ReservationReconciler(
+            kube=kube,  # type: ignore[arg-type]
+            settings=ControllerSettings(reservation_ttl_s=ttl_s, identity="test"),
+            metrics=ControllerMetrics(),
+            state=state,
+            clock=lambda: clock[0],
+        )
         yield kube, reconciler
-    finally:
-        feeding.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await feeding
 
 
 async def fed() -> None:
