@@ -3,17 +3,25 @@
 A trace-driven simulator replays one seeded workload under each design. The vramshare designs call
 the real domain code (`vramshare.domain.choose`); the others follow their published behaviour:
 
-- `vramshare-spread`, `vramshare-binpack`: the headroom rule and policies, with durable reservations;
+- `ideal`: a reference no real design reaches: reservations by the asked memory with no metrics lag,
+  and a queue in which freed memory goes in the same second to the oldest task that fits (backfill);
+- `vramshare-queue`: queue mode, through the controller's own planner (`vramshare.domain.plan_queue`:
+  oldest first, backfill, a bounded hold for the head) over the headroom rule and lagging samples;
+- `vramshare-binpack`, `vramshare-spread`: refuse mode (`vramshare.domain.choose`), each refusal
+  retried the way the Airflow client really does (see `CLIENTS`);
 - `kaapana-like`: free memory minus an in-memory queue that is wiped at every 5 s refresh, least
   loaded first, and a fallback pass that ignores free memory;
-- `whole-gpu`: one pod per GPU (`nvidia.com/gpu: 1`), the smallest idle GPU big enough;
-- `time-slicing`: a fixed number of pods per GPU, memory-blind.
+- `whole-gpu`: one pod per GPU (`nvidia.com/gpu: 1`), the smallest idle GPU big enough; pending pods
+  wait in the scheduler's queue;
+- `time-slicing`: a fixed number of pods per GPU, memory-blind; pending pods wait in the scheduler.
 
 The model has what matters in reality:
 - memory use ramps up over the first seconds of a job;
 - the scheduler sees DCGM samples that are taken periodically and arrive with a scrape lag;
 - every CUDA context costs extra memory, and many jobs use less than they asked;
-- refused pods retry after Airflow's retry_delay;
+- refused pods are retried as their Airflow client does: a 403 fails the task's try, which Airflow
+  retries after `retry_delay`; a 429 is retried inside the try by the KubernetesPodOperator (5 attempts,
+  honouring Retry-After), then the try fails; a queued or scheduler-pending pod waits without failing;
 - a GPU whose real use exceeds its memory has an OOM: its newest job dies and is retried.
 
     python -m vramshare_e2e.bench_packing [--smoke] [--out bench/results]
@@ -38,10 +46,14 @@ from vramshare.domain import (
     AllocationSettings,
     Choice,
     Gpu,
+    Hold,
     Policy,
+    QueueSettings,
     Reservation,
     ReservationPhase,
+    Waiting,
     choose,
+    plan_queue,
 )
 
 
@@ -51,11 +63,41 @@ class Model:
     scrape_lag_s: float = 30.0
     ramp_s: float = 20.0
     context_mib: int = 300
-    retry_delay_s: float = 60.0
     kaapana_refresh_s: float = 5.0
     time_slices: int = 4
     safety_margin_mib: int = 512
     settle_s: float = 60.0  # vramshare: covers ramp + scrape lag
+    hold_limit_s: float = 900.0  # vramshare-queue: the head's hold on one GPU
+
+
+@dataclass(frozen=True, kw_only=True)
+class Client:
+    """How an Airflow client meets a refused pod creation."""
+
+    name: str
+    retry_delay_s: float
+    """After a failed try, the task's next try starts this much later (Airflow's retry_delay)."""
+    attempts_per_try: int = 1
+    """Creations tried inside one try before it fails (KubernetesPodOperator on 429: 5)."""
+    retry_after_s: float = 0.0
+    """Wait between attempts inside a try (the webhook's Retry-After)."""
+
+
+CLIENTS = {
+    "403-60s": Client(name="KubernetesPodOperator, 403, retry_delay 60 s", retry_delay_s=60.0),
+    "403-300s": Client(
+        name="KubernetesPodOperator or KubernetesExecutor (defaults), 403, retry_delay 300 s",
+        retry_delay_s=300.0,
+    ),
+    "429": Client(
+        name="KubernetesPodOperator, 429 with Retry-After 60 s (5 attempts per try), retry_delay 300 s",
+        retry_delay_s=300.0,
+        attempts_per_try=5,
+        retry_after_s=60.0,
+    ),
+}
+"""The KubernetesExecutor with its defaults (task_publish_max_retries 0) fails the try on a 403 like
+the operator does, so "403-300s" stands for both."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -128,12 +170,24 @@ def workload(smoke: bool, seed: int) -> list[Job]:
 
 class Design:
     name = ""
+    waits = False
+    """Pods that do not fit wait (a queue, or the scheduler's pending pods) instead of being refused."""
 
     def __init__(self, model: Model) -> None:
         self.model = model
 
     def place(self, job: Job, cards: list[Card], now: float) -> Card | None:
         raise NotImplementedError
+
+    def admit(self, due: list[Job], cards: list[Card], now: float) -> list[tuple[Job, Card]]:
+        """Decide the due jobs, oldest first; each placement counts for the next."""
+        placed = []
+        for job in due:
+            card = self.place(job, cards, now)
+            if card is not None:
+                card.running.append(Running(job=job, started_s=now))
+                placed.append((job, card))
+        return placed
 
 
 def observed_used(card: Card, now: float, model: Model) -> tuple[int, float]:
@@ -154,36 +208,7 @@ class Vramshare(Design):
         )
 
     def place(self, job: Job, cards: list[Card], now: float) -> Card | None:
-        gpus, reservations = [], []
-        for c in cards:
-            used, at = observed_used(c, now, self.model)
-            gpus.append(
-                Gpu(
-                    uuid=c.uuid,
-                    node=c.node,
-                    index=c.index,
-                    model="sim",
-                    total_mib=c.total_mib,
-                    used_mib=used,
-                    free_mib=c.total_mib - used,
-                    sampled_at=at,
-                )
-            )
-            reservations += [
-                Reservation(
-                    name=r.job.name,
-                    namespace="sim",
-                    pod=r.job.name,
-                    mib=r.job.asked_mib,
-                    node=c.node,
-                    gpu_uuid=c.uuid,
-                    gpu_index=c.index,
-                    phase=ReservationPhase.BOUND,
-                    reserved_at=r.started_s,
-                    pod_running_since=r.started_s,
-                )
-                for r in c.running
-            ]
+        gpus, reservations = vramshare_view(cards, now, self.model)
         decision = choose(
             AllocationRequest(mib=job.asked_mib, namespace="sim", pod=job.name),
             gpus,
@@ -196,8 +221,99 @@ class Vramshare(Design):
         return next(c for c in cards if c.uuid == decision.gpu.uuid)
 
 
+def vramshare_view(cards: list[Card], now: float, model: Model) -> tuple[list[Gpu], list[Reservation]]:
+    """The inventory (lagging samples) and the ledger (every running job's booking) vramshare sees."""
+    gpus, reservations = [], []
+    for c in cards:
+        used, at = observed_used(c, now, model)
+        gpus.append(
+            Gpu(
+                uuid=c.uuid,
+                node=c.node,
+                index=c.index,
+                model="sim",
+                total_mib=c.total_mib,
+                used_mib=used,
+                free_mib=c.total_mib - used,
+                sampled_at=at,
+            )
+        )
+        reservations += [
+            Reservation(
+                name=r.job.name,
+                namespace="sim",
+                pod=r.job.name,
+                mib=r.job.asked_mib,
+                node=c.node,
+                gpu_uuid=c.uuid,
+                gpu_index=c.index,
+                phase=ReservationPhase.BOUND,
+                reserved_at=r.started_s,
+                pod_running_since=r.started_s,
+            )
+            for r in c.running
+        ]
+    return gpus, reservations
+
+
+class VramshareQueue(Design):
+    """Queue mode: the controller's planner, run every second over every waiting job, with the
+    webhook's default policy."""
+
+    name = "vramshare-queue"
+    waits = True
+
+    def __init__(self, model: Model) -> None:
+        super().__init__(model)
+        self.settings = AllocationSettings(
+            policy=Policy.SPREAD,
+            accounting=Accounting(
+                safety_margin_mib=model.safety_margin_mib, settle_s=model.settle_s, max_sample_age_s=1e9
+            ),
+        )
+        self.queue = QueueSettings(hold_limit_s=model.hold_limit_s)
+        self.hold: Hold | None = None
+
+    def admit(self, due: list[Job], cards: list[Card], now: float) -> list[tuple[Job, Card]]:
+        gpus, reservations = vramshare_view(cards, now, self.model)
+        by_name = {j.name: j for j in due}
+        plan = plan_queue(
+            [
+                Waiting(key=j.name, namespace="sim", pod=j.name, mib=j.asked_mib, queued_at=j.arrival_s)
+                for j in due
+            ],
+            gpus,
+            reservations,
+            settings=self.settings,
+            queue=self.queue,
+            hold=self.hold,
+            now=now,
+        )
+        self.hold = plan.hold
+        placed = []
+        for waiting, choice in plan.placements:
+            card = next(c for c in cards if c.uuid == choice.gpu.uuid)
+            job = by_name[waiting.key]
+            card.running.append(Running(job=job, started_s=now))
+            placed.append((job, card))
+        return placed
+
+
+class Ideal(Design):
+    """The reference: exact bookings by asked memory, no lag, oldest first with backfill, no margin."""
+
+    name = "ideal"
+    waits = True
+
+    def place(self, job: Job, cards: list[Card], now: float) -> Card | None:
+        rooms = [(c.total_mib - sum(r.job.asked_mib for r in c.running), c) for c in cards]
+        fitting = [(room, c) for room, c in rooms if room >= job.asked_mib]
+        return min(fitting, key=lambda t: (t[0], t[1].uuid))[1] if fitting else None
+
+
 class KaapanaLike(Design):
     name = "kaapana-like"
+    waits = True  # its check runs before the pod is created: a task waits in Airflow, no try spent
 
     def __init__(self, model: Model) -> None:
         super().__init__(model)
@@ -227,6 +343,7 @@ class KaapanaLike(Design):
 
 class WholeGpu(Design):
     name = "whole-gpu"
+    waits = True
 
     def place(self, job: Job, cards: list[Card], now: float) -> Card | None:
         idle = [c for c in cards if not c.running and c.total_mib >= job.asked_mib]
@@ -235,6 +352,7 @@ class WholeGpu(Design):
 
 class TimeSlicing(Design):
     name = "time-slicing"
+    waits = True
 
     def place(self, job: Job, cards: list[Card], now: float) -> Card | None:
         open_ = [c for c in cards if len(c.running) < self.model.time_slices]
@@ -244,35 +362,51 @@ class TimeSlicing(Design):
 @dataclass(kw_only=True)
 class Result:
     makespan_s: float
-    mean_wait_s: float
-    p95_wait_s: float
     utilisation_vs_fluid: float
+    waits: dict[str, dict[str, float]]
+    """"small" / "large" -> mean and p95 wait (s) from arrival to first start."""
     oom_events: int
-    retries: int
-    placed: int
+    tries: int
+    """Airflow tries spent, all tasks together (one per task if nothing ever failed)."""
+    refusals: int
+
+
+@dataclass(kw_only=True)
+class _Pending:
+    job: Job
+    due_s: float
+    attempts: int = 0
+    """Creations refused inside the current try."""
 
 
 def simulate(
-    design: Design, jobs: list[Job], fleet_spec: list[tuple[str, int, int]], model: Model, dt: float = 1.0
+    design: Design,
+    jobs: list[Job],
+    fleet_spec: list[tuple[str, int, int]],
+    model: Model,
+    client: Client | None = None,
+    dt: float = 1.0,
 ) -> Result:
+    """Replay `jobs` under `design`; a design that refuses needs the `client` that retries."""
+    assert design.waits or client is not None, f"{design.name} refuses: say which client retries"
     cards = [
         Card(uuid=f"GPU-{node}-{i}", node=node, index=i, total_mib=mib)
         for node, count, mib in fleet_spec
         for i in range(count)
     ]
-    pending: list[tuple[float, Job]] = []  # (eligible at, job)
+    pending: list[_Pending] = []
     arrivals = list(jobs)
     first_start: dict[str, float] = {}
     done = 0
-    retries = oom = placed = 0
+    tries = len(jobs)
+    oom = refusals = 0
     next_sample = 0.0
     now = 0.0
     limit = 10 * 86_400.0
     while done < len(jobs) and now < limit:
         while arrivals and arrivals[0].arrival_s <= now:
             job = arrivals.pop(0)
-            pending.append((job.arrival_s, job))
-        # Finish jobs.
+            pending.append(_Pending(job=job, due_s=job.arrival_s))
         for c in cards:
             finished = [r for r in c.running if now - r.started_s >= r.job.duration_s]
             for r in finished:
@@ -285,52 +419,85 @@ def simulate(
                 if len(c.samples) > 64:
                     del c.samples[:32]
             next_sample = now + model.scrape_interval_s
-        # Try pending jobs that are due, oldest first.
-        still = []
-        for eligible, job in pending:
-            if eligible > now:
-                still.append((eligible, job))
-                continue
-            card = design.place(job, cards, now)
-            if card is None:
-                retries += 1
-                still.append((now + model.retry_delay_s, job))
-                continue
-            card.running.append(Running(job=job, started_s=now))
-            first_start.setdefault(job.name, now)
-            placed += 1
-        pending = still
-        # Out of memory: the newest job on the GPU dies and is retried later.
+        due = [p for p in pending if p.due_s <= now]
+        if due:
+            placed = {job.name for job, _ in design.admit([p.job for p in due], cards, now)}
+            for p in due:
+                if p.job.name in placed:
+                    first_start.setdefault(p.job.name, now)
+                    pending.remove(p)
+                    continue
+                if design.waits or client is None:
+                    continue  # still waiting: looked at again in the next second
+                refusals += 1
+                p.attempts += 1
+                if p.attempts < client.attempts_per_try:
+                    p.due_s = now + client.retry_after_s
+                else:  # the try fails; Airflow starts the next one after retry_delay
+                    tries += 1
+                    p.attempts = 0
+                    p.due_s = now + client.retry_delay_s
+        # Out of memory: the newest job on the GPU dies, and its task's try with it.
         for c in cards:
             while c.running and sum(r.usage(now, model.ramp_s) for r in c.running) > c.total_mib:
                 victim = max(c.running, key=lambda r: r.started_s)
                 c.running.remove(victim)
                 oom += 1
-                retries += 1
-                pending.append((now + model.retry_delay_s, victim.job))
+                tries += 1
+                pending.append(
+                    _Pending(job=victim.job, due_s=now + (client or CLIENTS["403-60s"]).retry_delay_s)
+                )
         now += dt
-    waits = [first_start[j.name] - j.arrival_s for j in jobs if j.name in first_start]
     capacity = sum(c.total_mib for c in cards)
     work = sum(j.asked_mib * j.duration_s for j in jobs)
     return Result(
         makespan_s=now,
-        mean_wait_s=statistics.fmean(waits) if waits else 0.0,
-        p95_wait_s=sorted(waits)[int(0.95 * (len(waits) - 1))] if waits else 0.0,
         utilisation_vs_fluid=work / (capacity * now) if now else 0.0,
+        waits={
+            size: _wait_stats(
+                [
+                    first_start[j.name] - j.arrival_s
+                    for j in jobs
+                    if j.name in first_start and is_large(j) == (size == "large")
+                ]
+            )
+            for size in ("small", "large")
+        },
         oom_events=oom,
-        retries=retries,
-        placed=placed,
+        tries=tries,
+        refusals=refusals,
     )
 
 
-def designs(model: Model) -> list[Design]:
-    return [
-        Vramshare(model, Policy.SPREAD),
-        Vramshare(model, Policy.BINPACK),
-        KaapanaLike(model),
-        WholeGpu(model),
-        TimeSlicing(model),
+def is_large(job: Job) -> bool:
+    return job.asked_mib >= 16_384
+
+
+def _wait_stats(waits: list[float]) -> dict[str, float]:
+    if not waits:
+        return {"mean_s": 0.0, "p95_s": 0.0}
+    ordered = sorted(waits)
+    return {
+        "mean_s": round(statistics.fmean(ordered), 1),
+        "p95_s": round(ordered[int(0.95 * (len(ordered) - 1))], 1),
+    }
+
+
+def runs(model: Model) -> list[tuple[str, Design, Client | None]]:
+    """(row, design, client): the waiting designs once, the refusing ones under each Airflow client."""
+    rows: list[tuple[str, Design, Client | None]] = [
+        ("ideal", Ideal(model), None),
+        ("vramshare-queue", VramshareQueue(model), None),
     ]
+    for key, client in CLIENTS.items():
+        rows.append((f"vramshare-binpack/{key}", Vramshare(model, Policy.BINPACK), client))
+    rows.append(("vramshare-spread/403-60s", Vramshare(model, Policy.SPREAD), CLIENTS["403-60s"]))
+    rows += [
+        ("kaapana-like", KaapanaLike(model), CLIENTS["403-60s"]),
+        ("whole-gpu", WholeGpu(model), None),
+        ("time-slicing", TimeSlicing(model), None),
+    ]
+    return rows
 
 
 def run(*, smoke: bool, out: Path, seed: int = 42, show: Callable[[str], None] = print) -> dict[str, Any]:
@@ -339,25 +506,35 @@ def run(*, smoke: bool, out: Path, seed: int = 42, show: Callable[[str], None] =
     spec = fleet(smoke)
     results: dict[str, dict[str, Any]] = {}
     started = time.monotonic()
-    for design in designs(model):
-        r = simulate(design, jobs, spec, model)
-        results[design.name] = {
+    ideal_makespan = 0.0
+    for row, design, client in runs(model):
+        r = simulate(design, jobs, spec, model, client)
+        if row == "ideal":
+            ideal_makespan = r.makespan_s
+        results[row] = {
+            "client": client.name if client else "waits (no refusal reaches Airflow)",
             "makespan_s": round(r.makespan_s, 1),
-            "mean_wait_s": round(r.mean_wait_s, 1),
-            "p95_wait_s": round(r.p95_wait_s, 1),
+            "makespan_vs_ideal": round(r.makespan_s / ideal_makespan, 3),
             "utilisation_vs_fluid": round(r.utilisation_vs_fluid, 4),
+            "utilisation_vs_ideal": round(ideal_makespan / r.makespan_s, 4),
+            "wait_small": r.waits["small"],
+            "wait_large": r.waits["large"],
             "oom_events": r.oom_events,
-            "retries": r.retries,
+            "airflow_tries": r.tries,
+            "refusals": r.refusals,
         }
+        show(f"  {row}: makespan {r.makespan_s:.0f} s ({time.monotonic() - started:.0f} s so far)")
     report = {
         "workload": {
             "jobs": len(jobs),
+            "large_jobs": sum(1 for j in jobs if is_large(j)),
             "seed": seed,
             "smoke": smoke,
             "fleet": [{"node": n, "gpus": c, "mib": m} for n, c, m in spec],
             "asked_mib_seconds": sum(j.asked_mib * j.duration_s for j in jobs),
         },
         "model": model.__dict__,
+        "clients": {k: c.__dict__ for k, c in CLIENTS.items()},
         "designs": results,
     }
     out.mkdir(parents=True, exist_ok=True)
@@ -373,18 +550,21 @@ def run(*, smoke: bool, out: Path, seed: int = 42, show: Callable[[str], None] =
 
 def summary(report: dict[str, Any]) -> str:
     rows = [
-        f"{'design':<18} {'makespan':>9} {'mean wait':>10} {'p95 wait':>9} {'util/fluid':>10} {'OOM':>5} "
-        f"{'retries':>8}"
+        f"{'design/client':<26} {'makespan':>9} {'vs ideal':>8} {'util/fluid':>10} {'wait small':>14} "
+        f"{'wait large':>14} {'OOM':>5} {'tries':>6}",
+        f"{'':<26} {'':>9} {'':>8} {'':>10} {'mean/p95 (s)':>14} {'mean/p95 (s)':>14}",
     ]
     for name, r in report["designs"].items():
+        small, large = r["wait_small"], r["wait_large"]
         rows.append(
-            f"{name:<18} {r['makespan_s']:>8.0f}s {r['mean_wait_s']:>9.0f}s {r['p95_wait_s']:>8.0f}s "
-            f"{r['utilisation_vs_fluid']:>10.1%} {r['oom_events']:>5} {r['retries']:>8}"
+            f"{name:<26} {r['makespan_s']:>8.0f}s {r['makespan_vs_ideal']:>7.2f}x "
+            f"{r['utilisation_vs_fluid']:>10.1%} {small['mean_s']:>6.0f}/{small['p95_s']:<7.0f} "
+            f"{large['mean_s']:>6.0f}/{large['p95_s']:<7.0f} {r['oom_events']:>5} {r['airflow_tries']:>6}"
         )
     w = report["workload"]
     return (
-        f"Packing: {w['jobs']} jobs on {sum(f['gpus'] for f in w['fleet'])} GPUs (seed {w['seed']})\n"
-        + "\n".join(rows)
+        f"Packing: {w['jobs']} jobs ({w['large_jobs']} large) on {sum(f['gpus'] for f in w['fleet'])} GPUs "
+        f"(seed {w['seed']})\n" + "\n".join(rows)
     )
 
 
@@ -395,15 +575,19 @@ def _chart(results: dict[str, dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     names = list(results)
-    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
     for ax, key, title in zip(
         axes,
-        ["makespan_s", "utilisation_vs_fluid", "oom_events"],
-        ["makespan (s, lower is better)", "utilisation vs fluid bound", "OOM events"],
+        ["makespan_vs_ideal", "airflow_tries", "oom_events"],
+        ["makespan vs ideal (lower is better)", "Airflow tries spent", "OOM events"],
         strict=True,
     ):
         values = [results[n][key] for n in names]
-        ax.bar(range(len(names)), values, color=["#2b8a3e", "#5c940d", "#e67700", "#c92a2a", "#862e9c"])
+        colours = [
+            "#495057" if n == "ideal" else "#2b8a3e" if n.startswith("vramshare") else "#c92a2a"
+            for n in names
+        ]
+        ax.bar(range(len(names)), values, color=colours)
         ax.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=8)
         ax.set_title(title, fontsize=10)
     fig.suptitle("GPU sharing designs on the same workload")

@@ -26,6 +26,7 @@ from vramshare.domain.lifecycle import (
 )
 from vramshare.domain.messages import describe_verdict, refusal_message
 from vramshare.domain.models import AllocationRequest, Gpu, Reservation, ReservationPhase
+from vramshare.domain.queue import Hold, QueuePlan, QueueSettings, Waiting, could_ever_fit, plan_queue
 from vramshare.domain.request import (
     DEFAULT_ANNOTATION,
     DEFAULT_MAX_MIB,
@@ -44,17 +45,22 @@ __all__ = [
     "Gpu",
     "GpuVerdict",
     "Headroom",
+    "Hold",
     "InvalidRequestError",
     "LedgerIndex",
     "PodSighting",
     "PodState",
     "Policy",
+    "QueuePlan",
+    "QueueSettings",
     "Refusal",
     "Reservation",
     "ReservationPhase",
     "StaleGpuMode",
     "Transition",
+    "Waiting",
     "choose",
+    "could_ever_fit",
     "describe_verdict",
     "due_for_cleanup",
     "genuine_pod",
@@ -62,5 +68,6 @@ __all__ = [
     "is_unseen",
     "next_phase",
     "parse_memory_request",
+    "plan_queue",
     "refusal_message",
 ]

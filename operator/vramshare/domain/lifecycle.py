@@ -1,16 +1,20 @@
 """The reservation lifecycle as one pure transition function, and which pod a reservation belongs to.
 
+    Queued --placed on a GPU by the controller--> Reserved (a spec change, not a transition here)
+    Queued --its pod finished or was deleted--> Released
+    Queued --no pod within the TTL--> Expired
     Reserved --its pod exists--> Bound --its pod finished or was deleted--> Released
     Reserved --no pod within the TTL--> Expired --its pod appears after all--> Bound
     Bound --its GPU is missing--> Lost --the GPU is back--> Bound
     Lost --its pod finished or was deleted--> Released
 
-Reserved, Bound and Lost hold memory. A GPU whose metrics blink (its DCGM series missing for a while)
-must not lose the bookings of pods that still run on it: Lost keeps counting, so when the GPU returns
-its memory is still booked and no new pod is admitted into it. Expired is the fate of a booking whose
-pod never appeared (rejected after vramshare admitted it: a quota, a policy, a name already taken, or
-the API server giving up on the request); the TTL is short, so such bookings stop counting quickly. If
-the pod does appear late, the booking counts again rather than leave a running pod unbooked.
+Reserved, Bound and Lost hold memory; Queued holds a place in the queue and no memory. A GPU whose
+metrics blink (its DCGM series missing for a while) must not lose the bookings of pods that still run on
+it: Lost keeps counting, so when the GPU returns its memory is still booked and no new pod is admitted
+into it. Expired is the fate of a booking whose pod never appeared (rejected after vramshare admitted
+it: a quota, a policy, a name already taken, or the API server giving up on the request); the TTL is
+short, so such bookings stop counting quickly. If the pod does appear late, the booking counts again
+rather than leave a running pod unbooked.
 
 Released and Expired are ended; the controller deletes them after a retention period.
 """
@@ -47,11 +51,12 @@ def next_phase(
     gpu_missing: bool,
     age_s: float,
     ttl_s: float,
+    seen: bool = False,
 ) -> Transition | None:
     """The transition a reservation takes now, or None when it stays where it is.
 
     `age_s` is the time since the reservation was committed; `ttl_s` how long a Reserved reservation
-    may wait for its pod.
+    may wait for its pod. `seen`: its pod was seen once (a Queued entry whose pod is gone left the queue).
     """
     if phase is ReservationPhase.EXPIRED:
         if pod is PodState.ACTIVE:
@@ -61,10 +66,27 @@ def next_phase(
                 message=f"its pod appeared more than {ttl_s:g} s after admission; the booking counts again",
             )
         return None
-    if not phase.is_active:
+    if not phase.is_open:
         return None
     if pod is PodState.FINISHED:
         return Transition(phase=ReservationPhase.RELEASED, reason="PodFinished", message="its pod finished")
+    if phase is ReservationPhase.QUEUED:
+        if pod is PodState.ACTIVE:
+            return None  # it waits for the controller to place it
+        if seen:
+            return Transition(
+                phase=ReservationPhase.RELEASED,
+                reason="PodDeleted",
+                message="its pod was deleted while it waited; it left the queue",
+            )
+        if age_s >= ttl_s:
+            return Transition(
+                phase=ReservationPhase.EXPIRED,
+                reason="PodNeverCreated",
+                message=f"no pod appeared within {ttl_s:g} s of admission (rejected after vramshare "
+                "queued it: a quota, a policy, a name already taken, or the API server gave up)",
+            )
+        return None
     if phase is ReservationPhase.RESERVED:
         if pod is PodState.ACTIVE:
             return Transition(phase=ReservationPhase.BOUND, reason="PodBound", message="its pod exists")
@@ -93,7 +115,7 @@ def next_phase(
 
 def due_for_cleanup(*, phase: ReservationPhase, finished_age_s: float, retention_s: float) -> bool:
     """True when an ended reservation has been kept long enough for people to inspect it."""
-    return not phase.is_active and finished_age_s >= retention_s
+    return not phase.is_open and finished_age_s >= retention_s
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -121,7 +143,8 @@ def belongs(reservation: Reservation, pod: PodSighting, *, bound_uid: str | None
         return pod.uid == bound_uid
     admitted = reservation.pod
     named = pod.name.startswith(admitted[:-1]) if admitted.endswith("*") else pod.name == admitted
-    return named and pod.gpu_uuid == reservation.gpu_uuid and pod.created_at >= reservation.reserved_at
+    placed = (pod.gpu_uuid or "") == reservation.gpu_uuid  # a queued pod and its entry name no GPU yet
+    return named and placed and pod.created_at >= reservation.reserved_at
 
 
 def genuine_pod(

@@ -13,6 +13,7 @@ from enum import StrEnum
 class ReservationPhase(StrEnum):
     """Where a reservation is in its life; see `vramshare.domain.lifecycle`."""
 
+    QUEUED = "Queued"  # its pod waits (behind a scheduling gate) for a GPU with room; nothing booked yet
     RESERVED = "Reserved"  # the webhook committed it; its pod may not exist yet
     BOUND = "Bound"  # its pod exists
     RELEASED = "Released"  # its pod finished or was deleted
@@ -23,6 +24,11 @@ class ReservationPhase(StrEnum):
     def is_active(self) -> bool:
         """An active reservation holds memory on its GPU."""
         return self in (ReservationPhase.RESERVED, ReservationPhase.BOUND, ReservationPhase.LOST)
+
+    @property
+    def is_open(self) -> bool:
+        """Not ended: waiting in the queue or holding memory."""
+        return self is ReservationPhase.QUEUED or self.is_active
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -67,6 +73,7 @@ class Reservation:
     mib: int
     node: str
     gpu_uuid: str
+    """Empty while Queued: no GPU chosen yet."""
     gpu_index: int
     phase: ReservationPhase
     reserved_at: float

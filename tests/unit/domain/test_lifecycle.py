@@ -135,3 +135,22 @@ def test_once_bound_only_the_recorded_uid_belongs() -> None:
     assert genuine_pod(res, [real], bound_uid="u-real") == (real, [])
     replaced = sighting("task", created=res.reserved_at + 90, uid="u-new")  # deleted and recreated by hand
     assert genuine_pod(res, [replaced], bound_uid="u-real") == (None, [replaced])
+
+
+def test_a_queued_entry_waits_while_its_pod_exists_and_leaves_when_it_is_deleted() -> None:
+    from vramshare.domain import PodState, ReservationPhase, next_phase
+
+    queued = ReservationPhase.QUEUED
+    assert next_phase(phase=queued, pod=PodState.ACTIVE, gpu_missing=False, age_s=9999, ttl_s=20) is None
+    gone = next_phase(phase=queued, pod=PodState.ABSENT, gpu_missing=False, age_s=5, ttl_s=20, seen=True)
+    assert gone is not None
+    assert (gone.phase, gone.reason) == (ReservationPhase.RELEASED, "PodDeleted")
+    assert next_phase(phase=queued, pod=PodState.ABSENT, gpu_missing=False, age_s=5, ttl_s=20) is None
+    never = next_phase(phase=queued, pod=PodState.ABSENT, gpu_missing=False, age_s=21, ttl_s=20)
+    assert never is not None
+    assert (never.phase, never.reason) == (ReservationPhase.EXPIRED, "PodNeverCreated")
+    done = next_phase(phase=queued, pod=PodState.FINISHED, gpu_missing=False, age_s=5, ttl_s=20)
+    assert done is not None
+    assert done.phase is ReservationPhase.RELEASED
+    assert queued.is_open
+    assert not queued.is_active

@@ -1,0 +1,169 @@
+"""Queue mode: which waiting pods to place now, oldest first, with backfill and a bounded hold.
+
+A pod that does not fit when it is created can wait (behind a scheduling gate) instead of being
+refused. `plan_queue()` is the whole policy, given the queue, the inventory and the ledger as values:
+
+- **Oldest first.** Waiting pods are taken in the order they were queued; each is placed by the same
+  `choose()` the webhook uses, and the memory it books counts for the ones after it.
+- **Backfill.** A pod that does not fit does not stop younger, smaller pods from using memory it could
+  not use anyway...
+- **...except on one GPU: the hold.** The oldest pod that does not fit (the *head*) holds one GPU that
+  is big enough for it, the one closest to fitting it. Nothing else is placed there, so the memory
+  that frees up on it accumulates for the head instead of going to a stream of small pods, and a
+  large request cannot starve. A hold lasts at most `hold_limit_s`; then the head moves its hold to
+  the next closest GPU (the memory on the first may be taken by something vramshare does not
+  book), so no GPU is held forever.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from vramshare.domain.allocation import AllocationSettings, Choice, GpuVerdict, choose
+from vramshare.domain.bookings import LedgerIndex
+from vramshare.domain.headroom import headroom_of
+from vramshare.domain.models import AllocationRequest, Gpu, Reservation, ReservationPhase
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Waiting:
+    """A queued pod's request."""
+
+    key: str
+    """The queue entry (namespace/name of its GpuReservation)."""
+    namespace: str
+    pod: str
+    mib: int
+    queued_at: float
+    nodes: frozenset[str] | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Hold:
+    """The GPU whose freed memory is kept for the head of the queue."""
+
+    key: str
+    """The waiting entry it is kept for."""
+    gpu_uuid: str
+    since: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class QueueSettings:
+    hold_limit_s: float = 900.0
+    """How long one GPU's freed memory may be kept for the head before the hold moves on."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class QueuePlan:
+    placements: tuple[tuple[Waiting, Choice], ...]
+    """Whom to place now and where, in queue order."""
+    hold: Hold | None
+    positions: dict[str, int] = field(default_factory=dict)
+    """Key -> 1-based position of each entry still waiting."""
+
+
+def queue_order(waiting: Iterable[Waiting]) -> list[Waiting]:
+    return sorted(waiting, key=lambda w: (w.queued_at, w.key))
+
+
+def could_ever_fit(mib: int, gpu: Gpu, *, settings: AllocationSettings) -> bool:
+    """Whether `gpu`, empty, would have room for `mib`."""
+    empty = headroom_of(
+        gpu,
+        reserved_mib=0,
+        unseen_mib=0,
+        safety_margin_mib=settings.accounting.safety_margin_mib,
+        ledger_only=True,
+    )
+    return not gpu.missing and gpu.healthy and empty.headroom_mib >= mib
+
+
+def plan_queue(
+    waiting: Iterable[Waiting],
+    gpus: Sequence[Gpu],
+    reservations: Iterable[Reservation],
+    *,
+    settings: AllocationSettings,
+    queue: QueueSettings,
+    hold: Hold | None,
+    now: float,
+) -> QueuePlan:
+    """Place what fits now, oldest first, keeping the head's held GPU for the head alone."""
+    index = LedgerIndex()
+    for r in reservations:
+        index.put(f"{r.namespace}/{r.name}", r)
+    # Each GPU's headroom, kept up to date as the plan books: a request larger than every one of them
+    # is passed over without judging each GPU again (a long queue costs little per pass).
+    probe = choose(
+        AllocationRequest(mib=0, namespace="", pod=""), gpus, (), settings=settings, now=now, index=index
+    )
+    rooms = {v.gpu.uuid: v.headroom.headroom_mib for v in probe.verdicts if v.fits and v.headroom}
+    placements: list[tuple[Waiting, Choice]] = []
+    left: list[Waiting] = []
+    new_hold: Hold | None = None
+    for w in queue_order(waiting):
+        held = new_hold.gpu_uuid if new_hold is not None else None
+        if max((r for u, r in rooms.items() if u != held), default=-1) >= w.mib:
+            candidates = [g for g in gpus if g.uuid != held]
+            request = AllocationRequest(mib=w.mib, namespace=w.namespace, pod=w.pod, nodes=w.nodes)
+            decision = choose(request, candidates, (), settings=settings, now=now, index=index)
+            if isinstance(decision, Choice):
+                placements.append((w, decision))
+                gpu = decision.gpu
+                rooms[gpu.uuid] -= w.mib
+                index.put(
+                    f"{w.key}@queue",
+                    Reservation(
+                        name=w.key,
+                        namespace=w.namespace,
+                        pod=w.pod,
+                        mib=w.mib,
+                        node=gpu.node,
+                        gpu_uuid=gpu.uuid,
+                        gpu_index=gpu.index,
+                        phase=ReservationPhase.RESERVED,
+                        reserved_at=now,
+                    ),
+                )
+                continue
+        left.append(w)
+        if new_hold is None and any(could_ever_fit(w.mib, g, settings=settings) for g in gpus):
+            request = AllocationRequest(mib=w.mib, namespace=w.namespace, pod=w.pod, nodes=w.nodes)
+            verdicts = choose(request, gpus, (), settings=settings, now=now, index=index).verdicts
+            new_hold = _hold_for(w, verdicts, hold=hold, settings=settings, queue=queue, now=now)
+    return QueuePlan(
+        placements=tuple(placements),
+        hold=new_hold,
+        positions={w.key: i for i, w in enumerate(left, start=1)},
+    )
+
+
+def _hold_for(
+    head: Waiting,
+    verdicts: Iterable[GpuVerdict],
+    *,
+    hold: Hold | None,
+    settings: AllocationSettings,
+    queue: QueueSettings,
+    now: float,
+) -> Hold | None:
+    """The head's hold: the one it has while it lasts, else the GPU closest to fitting it."""
+    rooms: dict[str, tuple[int, Gpu]] = {}
+    for v in verdicts:
+        gpu, room = v.gpu, v.headroom
+        if room is None or not could_ever_fit(head.mib, gpu, settings=settings):
+            continue
+        if head.nodes is not None and gpu.node not in head.nodes:
+            continue
+        rooms[gpu.uuid] = (room.headroom_mib, gpu)
+    if hold is not None and hold.key == head.key and hold.gpu_uuid in rooms:
+        if now - hold.since < queue.hold_limit_s:
+            return hold
+        if len(rooms) > 1:
+            del rooms[hold.gpu_uuid]  # it had its time: let the next closest GPU collect for the head
+    if not rooms:
+        return None
+    _, gpu = min(rooms.values(), key=lambda t: (-t[0], t[1].node, t[1].index, t[1].uuid))
+    return Hold(key=head.key, gpu_uuid=gpu.uuid, since=now)
