@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -22,11 +22,13 @@ from vramshare.domain import (
     InvalidRequestError,
     ReservationPhase,
     choose,
+    could_ever_fit,
     parse_memory_request,
     refusal_message,
 )
 from vramshare.kube.ledger import CommitConflictError, Snapshot
 from vramshare.kube.objects import GpuReservation
+from vramshare.kube.pods import QUEUE_GATE
 from vramshare.kube.resources import ANNOTATION_REINVOKED
 from vramshare_webhook import review as rv
 from vramshare_webhook.decision import (
@@ -39,6 +41,7 @@ from vramshare_webhook.decision import (
     Late,
     NameTaken,
     Outcome,
+    Queue,
     Reason,
     Refuse,
     Skip,
@@ -51,6 +54,7 @@ from vramshare_webhook.pod import (
     display_name,
     hide_gpus_patch,
     placement_patch,
+    queue_patch,
     read_pod,
     shape_problem,
 )
@@ -67,6 +71,7 @@ class Ledger(Protocol):
     async def commit(
         self, *, reservation: GpuReservation, token: str, live: bool = False
     ) -> GpuReservation: ...
+    async def enqueue(self, reservation: GpuReservation) -> GpuReservation: ...
 
 
 def not_an_earlier_pass(
@@ -145,11 +150,14 @@ class Admitter:
         ledger: Ledger,
         metrics: WebhookMetrics,
         clock: Callable[[], float] = time.time,
+        namespace_labels: Callable[[str], Mapping[str, str]] = lambda namespace: {},
     ) -> None:
         self.settings = settings
         self.ledger = ledger
         self.metrics = metrics
         self.clock = clock
+        self.namespace_labels = namespace_labels
+        """The labels of a namespace (from a watch cache): its queue mode."""
 
     async def review(self, request: rv.Request) -> rv.Review:
         started = time.perf_counter()
@@ -194,7 +202,9 @@ class Admitter:
         problem = shape_problem(pod)
         if problem is not None:
             return Invalid(reason=Reason.MALFORMED_POD, message=f"not a valid pod: {problem}")
-        facts = read_pod(pod, annotation=self.settings.annotation)
+        facts = read_pod(
+            pod, annotation=self.settings.annotation, queue_annotation=self.settings.queue_annotation
+        )
         if facts.memory_request is None:
             if self.settings.hide_gpus and not facts.device_resources:
                 return Hide(patch=hide_gpus_patch(pod))
@@ -216,6 +226,9 @@ class Admitter:
             )
         except InvalidRequestError as exc:
             return Invalid(reason=Reason.INVALID_ANNOTATION, message=str(exc))
+        queue = self._queue_mode(request.namespace, facts)
+        if isinstance(queue, Invalid):
+            return queue
         details: dict[str, Any] = {"mib": mib}
         if facts.overwritten:
             details["overwritten"] = list(facts.overwritten)
@@ -227,7 +240,71 @@ class Admitter:
                 reason=Reason.REINVOCATION,
                 details=details,
             )
-        return await self._allocate(request, facts, mib=mib, details=details)
+        if queue and facts.claimed_queue_entry is not None:
+            entry = await self._earlier_queue_pass(request, facts, mib=mib, details=details)
+            if entry is not None:
+                return self._queued(request, facts, entry=entry, mib=mib, details=details)
+        return await self._allocate(request, facts, mib=mib, details=details, queue=queue)
+
+    def _queue_mode(self, namespace: str, facts: PodFacts) -> bool | Invalid:
+        """Whether a pod that does not fit now waits: its annotation, else its namespace's label, else
+        the default."""
+        choices = {"true": True, "false": False}
+        if facts.queue_request is not None:
+            value = choices.get(facts.queue_request.strip().lower())
+            if value is None:
+                return Invalid(
+                    reason=Reason.INVALID_QUEUE_ANNOTATION,
+                    message=f'annotation "{self.settings.queue_annotation}" is "{facts.queue_request}": '
+                    'accepted values are "true" (wait for a GPU) and "false" (refuse when none fits now)',
+                )
+            return value
+        label = self.namespace_labels(namespace).get(self.settings.queue_namespace_label)
+        if label is not None and label.strip().lower() in choices:
+            return choices[label.strip().lower()]
+        return self.settings.queue_by_default
+
+    async def _earlier_queue_pass(
+        self, request: rv.Request, facts: PodFacts, *, mib: int, details: dict[str, Any]
+    ) -> str | None:
+        """The queue entry an earlier pass of this same pod creation made, if the pod names a genuine
+        one (same checks as for a placement; see `not_an_earlier_pass`)."""
+        name = facts.claimed_queue_entry
+        assert name is not None
+        existing = await self.ledger.get_reservation(request.namespace, name)
+        why: str | None = None
+        if existing is None:
+            why = "the queue entry does not exist"
+        elif existing.phase is not ReservationPhase.QUEUED or existing.status.pod_uid:
+            why = "the queue entry already belongs to a pod"
+        elif (existing.spec.pod_name, existing.spec.memory_mib) != (facts.display_name, mib):
+            why = "the queue entry was made for another pod or size"
+        elif existing.spec.admitted_user != request.username:
+            why = "the queue entry was made for another user"
+        elif self.clock() - (existing.meta.created_at or 0.0) > self.settings.reinvocation_window_s:
+            why = f"the queue entry is older than {self.settings.reinvocation_window_s:g} s"
+        elif await self.ledger.pod_carries(request.namespace, name):
+            why = "a pod already carries the queue entry"
+        elif not await self.ledger.claim_reinvocation(existing, claimant=request.uid):
+            why = "the queue entry was already taken up by a reinvocation"
+        if why is not None:
+            details["queue_entry_not_honoured"] = why
+            return None
+        return name
+
+    def _queued(
+        self, request: rv.Request, facts: PodFacts, *, entry: str, mib: int, details: dict[str, Any]
+    ) -> Queue:
+        return Queue(
+            entry=entry,
+            patch=queue_patch(request.object, reservation=entry),
+            message=(
+                f"vramshare: no GPU has {mib} MiB free now; pod {request.namespace}/{facts.display_name} "
+                f"waits in the queue as GpuReservation {entry} behind scheduling gate {QUEUE_GATE} until "
+                "one has room (kubectl get gpureservations shows its position)"
+            ),
+            details=details,
+        )
 
     async def _earlier_pass(
         self, request: rv.Request, facts: PodFacts, *, mib: int, details: dict[str, Any]
@@ -265,7 +342,7 @@ class Admitter:
         return placement
 
     async def _allocate(
-        self, request: rv.Request, facts: PodFacts, *, mib: int, details: dict[str, Any]
+        self, request: rv.Request, facts: PodFacts, *, mib: int, details: dict[str, Any], queue: bool = False
     ) -> Decision:
         alloc = AllocationRequest(
             mib=mib, namespace=request.namespace, pod=facts.display_name, nodes=facts.pinned_nodes
@@ -280,7 +357,9 @@ class Admitter:
             tried = {**details, "attempts": attempt}
             # No lock: a decision joins this process's view before its commit's first await, so the
             # next one counts it; replicas race, and the commit's precondition settles that.
-            decision = await self._attempt(request, facts, alloc=alloc, details=tried, avoid=avoid)
+            decision = await self._attempt(
+                request, facts, alloc=alloc, details=tried, avoid=avoid, queue=queue
+            )
             if not isinstance(decision, _Conflicted):
                 return decision
             # Another replica is committing on that GPU: among near ties, try another one next.
@@ -299,6 +378,7 @@ class Admitter:
         alloc: AllocationRequest,
         details: dict[str, Any],
         avoid: frozenset[str],
+        queue: bool = False,
     ) -> Decision | _Conflicted:
         """Decide on a snapshot and commit; `_Conflicted` when the chosen GPU's ledger moved meanwhile."""
         choosing = time.perf_counter()
@@ -333,6 +413,15 @@ class Admitter:
                 prefer=self.settings.identity,
                 avoid=avoid,
             )
+        if not isinstance(decision, Choice) and queue:
+            usable = [
+                g
+                for g in snapshot.gpus
+                if (alloc.nodes is None or g.node in alloc.nodes)
+                and could_ever_fit(alloc.mib, g, settings=self.settings.allocation)
+            ]
+            if usable:  # it can wait for one of these; a request none could ever take is refused
+                return await self._enqueue(request, facts, mib=alloc.mib, details=details)
         if not isinstance(decision, Choice):
             message = refusal_message(
                 decision,
@@ -367,6 +456,23 @@ class Admitter:
         finally:
             self.metrics.commit_seconds.observe(time.perf_counter() - committing)
         return Admit(placement=placement, patch=patch, reason=Reason.FITS, details=admitted)
+
+    async def _enqueue(
+        self, request: rv.Request, facts: PodFacts, *, mib: int, details: dict[str, Any]
+    ) -> Queue:
+        name = reservation_name(request.object)
+        if not request.dry_run:
+            await self.ledger.enqueue(
+                GpuReservation.queued(
+                    name=name,
+                    namespace=request.namespace,
+                    pod=facts.display_name,
+                    mib=mib,
+                    admission_uid=request.uid,
+                    user=request.username,
+                )
+            )
+        return self._queued(request, facts, entry=name, mib=mib, details=details)
 
     def _contention(
         self, request: rv.Request, facts: PodFacts, *, mib: int, details: dict[str, Any]

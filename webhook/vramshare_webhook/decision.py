@@ -21,6 +21,7 @@ class Outcome(StrEnum):
     """The `outcome` label of vramshare_webhook_decisions_total."""
 
     ADMITTED = "admitted"
+    QUEUED = "queued"
     REFUSED = "refused"
     INVALID = "invalid"
     HIDDEN = "hidden"
@@ -40,6 +41,8 @@ class Reason(StrEnum):
     DRY_RUN = "dry-run"
     REINVOCATION = "reinvocation"
     NO_GPU_FITS = "no-gpu-fits"
+    NO_GPU_FITS_NOW = "no-gpu-fits-now"
+    INVALID_QUEUE_ANNOTATION = "invalid-queue-annotation"
     CONTENTION = "contention"
     DEADLINE = "deadline"
     NAME_TAKEN = "name-taken"
@@ -72,6 +75,19 @@ class Admit:
     placement: Placement
     patch: list[Operation]
     reason: Reason
+    details: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Queue:
+    """No GPU has room now, but one could: the pod is admitted behind a scheduling gate and waits."""
+
+    entry: str
+    """The queue entry (GpuReservation) it waits as."""
+    patch: list[Operation]
+    message: str
+    """Shown to the client as a warning (kubectl prints it)."""
+    reason: Reason = Reason.NO_GPU_FITS_NOW
     details: Mapping[str, Any] = field(default_factory=dict)
 
 
@@ -115,7 +131,7 @@ class Errored:
     error_type: str
 
 
-Decision = Skip | Hide | Invalid | Admit | Refuse | Contention | Late | NameTaken | Errored
+Decision = Skip | Hide | Invalid | Admit | Queue | Refuse | Contention | Late | NameTaken | Errored
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -149,6 +165,13 @@ def answer(decision: Decision, *, uid: str, settings: WebhookSettings) -> Answer
             fields = {**details, "gpu": p.gpu_uuid, "node": p.node, "reservation": p.reservation}
             return Answer(
                 review=rv.patched(uid, patch), outcome=Outcome.ADMITTED, reason=reason, log_fields=fields
+            )
+        case Queue(entry=entry, patch=patch, message=message, reason=reason, details=details):
+            return Answer(
+                review=rv.patched(uid, patch, warnings=[message]),
+                outcome=Outcome.QUEUED,
+                reason=reason,
+                log_fields={**details, "reservation": entry},
             )
         case (
             Refuse(message=message, details=details)

@@ -10,10 +10,10 @@ operation each, which is simpler to get right than editing entries in place.
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from typing import Any
 
+from vramshare.kube.pods import QUEUE_GATE, affinity_on, pinned_nodes
 from vramshare.kube.resources import (
     ANNOTATION_GPU_INDEX,
     ANNOTATION_GPU_UUID,
@@ -28,7 +28,6 @@ Operation = dict[str, Any]
 
 VISIBLE_DEVICES = "NVIDIA_VISIBLE_DEVICES"
 CUDA_DEVICES = "CUDA_VISIBLE_DEVICES"
-HOSTNAME_LABEL = "kubernetes.io/hostname"
 CONTAINER_LISTS = ("initContainers", "containers")
 
 
@@ -140,66 +139,9 @@ def requested_device_resources(pod: Obj) -> list[str]:
     return sorted(found)
 
 
-def pinned_nodes(pod: Obj) -> frozenset[str] | None:
-    """The nodes the pod is already confined to, if it is; None when it may go anywhere.
-
-    From `spec.nodeName`, a `kubernetes.io/hostname` nodeSelector, and a required node affinity whose
-    every term allows hostnames with `In` (terms are ORed: their hostnames add up). Several of these
-    together intersect. Other constraints (zones, labels) are left to the scheduler.
-    """
-    spec = pod.get("spec", {})
-    allowed: list[frozenset[str]] = []
-    if spec.get("nodeName"):
-        allowed.append(frozenset([str(spec["nodeName"])]))
-    selector = spec.get("nodeSelector") or {}
-    if selector.get(HOSTNAME_LABEL):
-        allowed.append(frozenset([str(selector[HOSTNAME_LABEL])]))
-    terms = _required_terms(spec)
-    union: set[str] = set()
-    for term in terms:
-        hosts = [
-            frozenset(str(v) for v in e.get("values") or [])
-            for e in term.get("matchExpressions") or []
-            if e.get("key") == HOSTNAME_LABEL and e.get("operator") == "In"
-        ]
-        if not hosts:
-            union = set()
-            break  # this term allows any host: the affinity does not confine the pod
-        union |= frozenset.intersection(*hosts)
-    else:
-        if terms:
-            allowed.append(frozenset(union))
-    return frozenset.intersection(*allowed) if allowed else None
-
-
-def _required_terms(spec: Obj) -> list[Obj]:
-    required = ((spec.get("affinity") or {}).get("nodeAffinity") or {}).get(
-        "requiredDuringSchedulingIgnoredDuringExecution"
-    ) or {}
-    return [t for t in required.get("nodeSelectorTerms") or [] if isinstance(t, dict)]
-
-
 def _with_env(container: Obj, values: dict[str, str]) -> list[Obj]:
     kept = [e for e in container.get("env") or [] if not (isinstance(e, dict) and e.get("name") in values)]
     return kept + [{"name": k, "value": v} for k, v in values.items()]
-
-
-def _affinity_on(spec: Obj, node: str) -> Obj:
-    affinity = copy.deepcopy(spec.get("affinity") or {})
-    node_affinity = affinity.setdefault("nodeAffinity", {})
-    required = node_affinity.setdefault("requiredDuringSchedulingIgnoredDuringExecution", {})
-    ours = {"key": HOSTNAME_LABEL, "operator": "In", "values": [node]}
-    terms = [t for t in required.get("nodeSelectorTerms") or [] if isinstance(t, dict)]
-    if not terms:
-        terms = [{}]
-    # Terms are ORed, expressions inside a term ANDed: the GPU's node must hold in every term. A term
-    # that already has it (a reinvocation sees the first pass's patch) is left as it is.
-    for term in terms:
-        expressions = term.get("matchExpressions") or []
-        if ours not in expressions:
-            term["matchExpressions"] = [*expressions, ours]
-    required["nodeSelectorTerms"] = terms
-    return affinity
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -232,7 +174,7 @@ def placement_patch(pod: Obj, placement: Placement) -> list[Operation]:
         {
             "op": "add",
             "path": pointer("spec", "affinity"),
-            "value": _affinity_on(pod.get("spec", {}), placement.node),
+            "value": affinity_on(pod.get("spec", {}), placement.node),
         }
     )
     ours = {
@@ -257,6 +199,64 @@ def placement_patch(pod: Obj, placement: Placement) -> list[Operation]:
         }
     )
     return ops
+
+
+def queue_patch(pod: Obj, *, reservation: str) -> list[Operation]:
+    """The JSON Patch that makes `pod` wait in the queue: vramshare's scheduling gate, and an environment
+    that the kubelet resolves from the pod's annotations when the container starts, after the
+    controller has written the chosen GPU there and lifted the gate."""
+    ops: list[Operation] = []
+    gpu_from_annotation = {
+        "name": VISIBLE_DEVICES,
+        "valueFrom": {"fieldRef": {"fieldPath": f"metadata.annotations['{ANNOTATION_GPU_UUID}']"}},
+    }
+    for key, i, c in _containers(pod):
+        kept = [
+            e
+            for e in c.get("env") or []
+            if not (isinstance(e, dict) and e.get("name") in (VISIBLE_DEVICES, CUDA_DEVICES))
+        ]
+        env = [*kept, gpu_from_annotation, {"name": CUDA_DEVICES, "value": "0"}]
+        ops.append({"op": "add", "path": pointer("spec", key, i, "env"), "value": env})
+    gates = [
+        g
+        for g in pod.get("spec", {}).get("schedulingGates") or []
+        if isinstance(g, dict) and g.get("name") != QUEUE_GATE
+    ]
+    ops.append(
+        {"op": "add", "path": pointer("spec", "schedulingGates"), "value": [*gates, {"name": QUEUE_GATE}]}
+    )
+    kept_annotations = {k: v for k, v in pod_annotations(pod).items() if not k.startswith(ANNOTATION_PREFIX)}
+    ops.append(
+        {
+            "op": "add",
+            "path": pointer("metadata", "annotations"),
+            "value": {**kept_annotations, ANNOTATION_RESERVATION: reservation},
+        }
+    )
+    labels = pod.get("metadata", {}).get("labels")
+    labels = {
+        k: v
+        for k, v in (labels if isinstance(labels, dict) else {}).items()
+        if not k.startswith(ANNOTATION_PREFIX)
+    }
+    ops.append(
+        {
+            "op": "add",
+            "path": pointer("metadata", "labels"),
+            "value": {**labels, LABEL_RESERVATION: reservation},
+        }
+    )
+    return ops
+
+
+def queued_entry_of(pod: Obj) -> str | None:
+    """The queue entry an earlier pass of this pod's admission made (on reinvocation), if it names one
+    and no placement."""
+    a = pod_annotations(pod)
+    if ANNOTATION_GPU_UUID in a:
+        return None
+    return a.get(ANNOTATION_RESERVATION)
 
 
 def hide_gpus_patch(pod: Obj) -> list[Operation]:
@@ -284,12 +284,18 @@ class PodFacts:
     pinned_nodes: frozenset[str] | None
     claimed_placement: Placement | None
     """The placement the pod's vramshare.io/* annotations claim: an earlier pass, or copied by a user."""
+    claimed_queue_entry: str | None
+    """The queue entry they claim instead (an earlier pass in queue mode, or copied)."""
+    queue_request: str | None
+    """The raw value of the queue annotation; None when the pod does not carry it."""
     overwritten: tuple[str, ...]
     """What the pod sets that only vramshare may set; a placement patch replaces it."""
 
 
-def read_pod(pod: Obj, *, annotation: str) -> PodFacts:
+def read_pod(pod: Obj, *, annotation: str, queue_annotation: str = "gpu-queue") -> PodFacts:
     return PodFacts(
+        claimed_queue_entry=queued_entry_of(pod),
+        queue_request=pod_annotations(pod).get(queue_annotation),
         display_name=display_name(pod),
         memory_request=pod_annotations(pod).get(annotation),
         device_resources=tuple(requested_device_resources(pod)),

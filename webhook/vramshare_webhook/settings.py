@@ -43,6 +43,13 @@ class WebhookSettings:
     denial_code: int = 403
     """403 (default: the task's own retries apply) or 429 (retryAfterSeconds; KPO retries in the try)."""
     retry_after_s: int = 60
+    queue_by_default: bool = False
+    """Queue mode for pods whose namespace and annotation do not say: a pod that does not fit now waits
+    behind a scheduling gate until the controller places it, instead of being refused."""
+    queue_annotation: str = "gpu-queue"
+    """The pod annotation that chooses queue mode for one pod: "true" or "false"."""
+    queue_namespace_label: str = "vramshare.io/queue"
+    """The namespace label that chooses queue mode for a namespace: "true" or "false"."""
     hide_gpus: bool = True
     """Give pods without the annotation NVIDIA_VISIBLE_DEVICES=none (only managed namespaces reach it)."""
     decision_deadline_s: float = 8.0

@@ -61,6 +61,7 @@ from vramshare.kube.resources import (
     ANNOTATION_REINVOKED,
     LABEL_ACTIVE,
     LABEL_COMMITTED,
+    LABEL_GPU,
     LABEL_RESERVATION,
     device_name,
     devices_path,
@@ -110,6 +111,8 @@ class _Pending:
     token: str
     live: bool
     done: asyncio.Future[GpuReservation]
+    places: bool = False
+    """It writes the placement of an existing queue entry instead of creating a reservation."""
     abandoned: bool = False
     """Its caller gave up (deadline) while its group was on its way: withdraw it once made."""
 
@@ -301,7 +304,24 @@ class KubeLedger:
         )
         return bool(pods.get("items"))
 
-    async def commit(self, *, reservation: GpuReservation, token: str, live: bool = False) -> GpuReservation:
+    async def enqueue(self, reservation: GpuReservation) -> GpuReservation:
+        """Create a queue entry (no GPU: it books nothing, so no token moves)."""
+        self.on_write("gpureservations", "create")
+        return GpuReservation.from_wire(
+            await self.kube.create(reservations_path(reservation.namespace), reservation.to_wire())
+        )
+
+    async def place(
+        self, *, entry: GpuReservation, gpu: Gpu, token: str, live: bool = False
+    ) -> GpuReservation:
+        """Book `gpu` for a queue entry through the same commit as an admission: its placement is
+        written (with the entry's resourceVersion as a precondition, so two controllers cannot both
+        place it), then the GPU's token is bumped naming it; `CommitConflictError` when either moved."""
+        return await self.commit(reservation=entry.placed_on(gpu), token=token, live=live, places=True)
+
+    async def commit(
+        self, *, reservation: GpuReservation, token: str, live: bool = False, places: bool = False
+    ) -> GpuReservation:
         """Create `reservation` and bump its GPU's token; `CommitConflictError` when it moved.
 
         Call it right after deciding, with no await in between: the reservation joins this process's
@@ -324,6 +344,7 @@ class KubeLedger:
             token=token,
             live=live,
             done=asyncio.get_running_loop().create_future(),
+            places=places,
         )
         queue = self._queues.setdefault(gpu_uuid, [])
         queue.append(entry)
@@ -336,7 +357,7 @@ class KubeLedger:
                 queue.remove(entry)
                 self.reservations.drop(key)
             elif entry.done.done() and not entry.done.cancelled() and entry.done.exception() is None:
-                self._later(self._abandon(entry.done.result(), key))
+                self._later(self._abandon(entry.done.result(), key, unplace=places))
             else:
                 entry.abandoned = True
             raise
@@ -346,9 +367,9 @@ class KubeLedger:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _abandon(self, created: GpuReservation, key: str) -> None:
+    async def _abandon(self, created: GpuReservation, key: str, *, unplace: bool = False) -> None:
         self.reservations.drop(key)
-        await self._withdraw(created)
+        await self._withdraw(created, unplace=unplace)
 
     def _head(self, gpu_uuid: str, token: str) -> str:
         chain = self._successor.get(gpu_uuid, {})
@@ -381,10 +402,22 @@ class KubeLedger:
             queue.clear()
 
     async def _create(self, entry: _Pending) -> GpuReservation:
-        self.on_write("gpureservations", "create")
-        obj = await self.kube.create(
-            reservations_path(entry.reservation.namespace), entry.reservation.to_wire()
-        )
+        res = entry.reservation
+        if entry.places:
+            self.on_write("gpureservations", "patch")
+            obj = await self.kube.merge_patch(
+                reservations_path(res.namespace, res.name),
+                {
+                    "metadata": {
+                        "resourceVersion": res.meta.resource_version,
+                        "labels": dict(res.meta.labels),
+                    },
+                    "spec": res.spec.to_wire(),
+                },
+            )
+        else:
+            self.on_write("gpureservations", "create")
+            obj = await self.kube.create(reservations_path(res.namespace), res.to_wire())
         return GpuReservation.from_wire(obj)
 
     async def _commit_group(self, gpu_uuid: str, batch: list[_Pending], token: str) -> None:
@@ -404,7 +437,7 @@ class KubeLedger:
         except BaseException as exc:
             # The token moved, the GPU is gone, the API server failed, or we were cancelled: nobody
             # will be told of these bookings, so none may stand.
-            await asyncio.gather(*(self._withdraw(c) for _, c in made))
+            await asyncio.gather(*(self._withdraw(c, unplace=e.places) for e, c in made))
             error: BaseException = exc
             if isinstance(exc, ApiError) and (exc.conflict or exc.not_found):
                 error = CommitConflictError(f"GPU {gpu_uuid} changed while deciding")
@@ -424,7 +457,7 @@ class KubeLedger:
         self.devices.put(f"/{device_name(gpu_uuid)}", GpuDevice.from_wire(bumped))
         for entry, created in made:
             if entry.abandoned:
-                self._later(self._abandon(created, entry.key))
+                self._later(self._abandon(created, entry.key, unplace=entry.places))
                 continue
             self.reservations.put(entry.key, created.to_domain())
             self._later(self._label_committed(created))
@@ -479,14 +512,23 @@ class KubeLedger:
         except (ApiError, OSError, TimeoutError) as exc:  # the booking stands either way; only its label lags
             log.warning("reservation committed but not labelled", reservation=created.key, error=str(exc))
 
-    async def _withdraw(self, created: GpuReservation) -> None:
+    async def _withdraw(self, created: GpuReservation, *, unplace: bool = False) -> None:
         """Delete a booking nobody will use, within a few seconds; one that cannot be deleted (the API
-        server is what made us late) expires with the reservation TTL instead."""
+        server is what made us late) expires with the reservation TTL instead. A placed queue entry
+        goes back to the queue: its placement is removed."""
+        path = reservations_path(created.namespace, created.name)
         try:
+            if unplace:
+                self.on_write("gpureservations", "patch")
+                unplaced = {"nodeName": None, "gpuUUID": None, "gpuIndex": None}
+                labels = {LABEL_GPU: None, LABEL_COMMITTED: None}
+                await asyncio.wait_for(
+                    self.kube.merge_patch(path, {"metadata": {"labels": labels}, "spec": unplaced}),
+                    WITHDRAW_TIMEOUT_S,
+                )
+                return
             self.on_write("gpureservations", "delete")
-            await asyncio.wait_for(
-                self.kube.delete(reservations_path(created.namespace, created.name)), WITHDRAW_TIMEOUT_S
-            )
+            await asyncio.wait_for(self.kube.delete(path), WITHDRAW_TIMEOUT_S)
         except ApiError as exc:
             if not exc.not_found:
                 log.warning("booking not withdrawn; it expires", reservation=created.key, error=str(exc))

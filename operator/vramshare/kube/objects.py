@@ -10,7 +10,7 @@ create).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Self
 
 from vramshare.domain import Gpu, Reservation, ReservationPhase
@@ -101,9 +101,10 @@ class ReservationSpec:
     pod_name: str
     """The pod's name, or its generateName prefix followed by '*' until the controller binds it."""
     memory_mib: int
-    node_name: str
-    gpu_uuid: str
-    gpu_index: int
+    node_name: str = ""
+    gpu_uuid: str = ""
+    """Empty while the pod waits in the queue: the placement is written once, when it is placed."""
+    gpu_index: int = 0
     admission_uid: str = ""
     admitted_user: str = ""
 
@@ -112,21 +113,21 @@ class ReservationSpec:
         return cls(
             pod_name=obj["podName"],
             memory_mib=int(obj["memoryMiB"]),
-            node_name=obj["nodeName"],
-            gpu_uuid=obj["gpuUUID"],
-            gpu_index=int(obj["gpuIndex"]),
+            node_name=obj.get("nodeName", ""),
+            gpu_uuid=obj.get("gpuUUID", ""),
+            gpu_index=int(obj.get("gpuIndex", 0)),
             admission_uid=obj.get("admissionUID", ""),
             admitted_user=obj.get("admittedUser", ""),
         )
 
+    @property
+    def placed(self) -> bool:
+        return bool(self.gpu_uuid)
+
     def to_wire(self) -> Obj:
-        out: Obj = {
-            "podName": self.pod_name,
-            "memoryMiB": self.memory_mib,
-            "nodeName": self.node_name,
-            "gpuUUID": self.gpu_uuid,
-            "gpuIndex": self.gpu_index,
-        }
+        out: Obj = {"podName": self.pod_name, "memoryMiB": self.memory_mib}
+        if self.placed:
+            out |= {"nodeName": self.node_name, "gpuUUID": self.gpu_uuid, "gpuIndex": self.gpu_index}
         if self.admission_uid:
             out["admissionUID"] = self.admission_uid
         if self.admitted_user:
@@ -144,6 +145,8 @@ class ReservationStatus:
     pod_uid: str | None = None
     pod_running_since: float | None = None
     finished_at: float | None = None
+    queue_position: int | None = None
+    """While Queued: 1 for the head of the queue."""
 
     @classmethod
     def from_wire(cls, obj: Obj) -> Self:
@@ -155,6 +158,7 @@ class ReservationStatus:
             pod_uid=obj.get("podUID"),
             pod_running_since=parse_time(obj.get("podRunningSince")),
             finished_at=parse_time(obj.get("finishedAt")),
+            queue_position=obj.get("queuePosition"),
         )
 
     def to_wire(self) -> Obj:
@@ -167,6 +171,7 @@ class ReservationStatus:
             out["podRunningSince"] = format_time(self.pod_running_since)
         if self.finished_at is not None:
             out["finishedAt"] = format_time(self.finished_at)
+        _put(out, "queuePosition", self.queue_position)
         return out
 
 
@@ -223,6 +228,34 @@ class GpuReservation:
             ),
         )
 
+    @classmethod
+    def queued(
+        cls, *, name: str, namespace: str, pod: str, mib: int, admission_uid: str, user: str = ""
+    ) -> GpuReservation:
+        """A queue entry as the webhook creates it: no GPU yet, so it books nothing."""
+        return GpuReservation(
+            meta=Meta(
+                name=name,
+                namespace=namespace,
+                labels={LABEL_ACTIVE: "true", "app.kubernetes.io/managed-by": "vramshare"},
+            ),
+            spec=ReservationSpec(
+                pod_name=pod, memory_mib=mib, admission_uid=admission_uid, admitted_user=user
+            ),
+        )
+
+    def placed_on(self, gpu: Gpu) -> GpuReservation:
+        """This queue entry with its placement: the controller's commit writes it."""
+        return replace(
+            self,
+            meta=replace(
+                self.meta,
+                labels={**self.meta.labels, LABEL_GPU: device_name(gpu.uuid), LABEL_COMMITTED: "false"},
+            ),
+            spec=replace(self.spec, node_name=gpu.node, gpu_uuid=gpu.uuid, gpu_index=gpu.index),
+            status=replace(self.status, queue_position=None),
+        )
+
     @property
     def namespace(self) -> str:
         return self.meta.namespace or ""
@@ -237,8 +270,12 @@ class GpuReservation:
 
     @property
     def phase(self) -> ReservationPhase:
-        """The recorded phase; none yet means just Reserved."""
-        return self.status.phase or ReservationPhase.RESERVED
+        """The recorded phase; none yet means just Reserved (Queued without a GPU). A queue entry the
+        controller has placed is Reserved from the moment its spec names the GPU."""
+        recorded = self.status.phase
+        if recorded is None or recorded is ReservationPhase.QUEUED:
+            return ReservationPhase.RESERVED if self.spec.placed else ReservationPhase.QUEUED
+        return recorded
 
     @property
     def labelled_active(self) -> bool:

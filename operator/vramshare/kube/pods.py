@@ -1,0 +1,92 @@
+"""Pod spec edits that both the webhook and the controller make: pure functions over the pod as the
+API server sends it.
+
+The webhook pins an admitted pod to its GPU's node at creation; in queue mode the controller does the
+same later, on the gated pod (Kubernetes allows adding node affinity to a pod that still has
+scheduling gates), and then lifts its gate.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+Obj = dict[str, Any]
+
+HOSTNAME_LABEL = "kubernetes.io/hostname"
+QUEUE_GATE = "vramshare.io/gpu-memory"
+"""The scheduling gate a queued pod waits behind until the controller has booked a GPU for it."""
+
+
+def pinned_nodes(pod: Obj) -> frozenset[str] | None:
+    """The nodes the pod is already confined to, if it is; None when it may go anywhere.
+
+    From `spec.nodeName`, a `kubernetes.io/hostname` nodeSelector, and a required node affinity whose
+    every term allows hostnames with `In` (terms are ORed: their hostnames add up). Several of these
+    together intersect. Other constraints (zones, labels) are left to the scheduler.
+    """
+    spec = pod.get("spec", {})
+    allowed: list[frozenset[str]] = []
+    if spec.get("nodeName"):
+        allowed.append(frozenset([str(spec["nodeName"])]))
+    selector = spec.get("nodeSelector") or {}
+    if selector.get(HOSTNAME_LABEL):
+        allowed.append(frozenset([str(selector[HOSTNAME_LABEL])]))
+    terms = _required_terms(spec)
+    union: set[str] = set()
+    for term in terms:
+        hosts = [
+            frozenset(str(v) for v in e.get("values") or [])
+            for e in term.get("matchExpressions") or []
+            if e.get("key") == HOSTNAME_LABEL and e.get("operator") == "In"
+        ]
+        if not hosts:
+            union = set()
+            break  # this term allows any host: the affinity does not confine the pod
+        union |= frozenset.intersection(*hosts)
+    else:
+        if terms:
+            allowed.append(frozenset(union))
+    return frozenset.intersection(*allowed) if allowed else None
+
+
+def _required_terms(spec: Obj) -> list[Obj]:
+    required = ((spec.get("affinity") or {}).get("nodeAffinity") or {}).get(
+        "requiredDuringSchedulingIgnoredDuringExecution"
+    ) or {}
+    return [t for t in required.get("nodeSelectorTerms") or [] if isinstance(t, dict)]
+
+
+def affinity_on(spec: Obj, node: str) -> Obj:
+    affinity = copy.deepcopy(spec.get("affinity") or {})
+    node_affinity = affinity.setdefault("nodeAffinity", {})
+    required = node_affinity.setdefault("requiredDuringSchedulingIgnoredDuringExecution", {})
+    ours = {"key": HOSTNAME_LABEL, "operator": "In", "values": [node]}
+    terms = [t for t in required.get("nodeSelectorTerms") or [] if isinstance(t, dict)]
+    if not terms:
+        terms = [{}]
+    # Terms are ORed, expressions inside a term ANDed: the GPU's node must hold in every term. A term
+    # that already has it (a reinvocation sees the first pass's patch) is left as it is.
+    for term in terms:
+        expressions = term.get("matchExpressions") or []
+        if ours not in expressions:
+            term["matchExpressions"] = [*expressions, ours]
+    required["nodeSelectorTerms"] = terms
+    return affinity
+
+
+def gated(pod: Obj) -> bool:
+    """Whether the pod still waits behind vramshare's scheduling gate."""
+    return any(g.get("name") == QUEUE_GATE for g in (pod.get("spec") or {}).get("schedulingGates") or [])
+
+
+def release_patch(pod: Obj, *, annotations: dict[str, str], node: str) -> Obj:
+    """The merge patch that places a gated pod: vramshare's annotations (its environment reads the GPU
+    from them), the node affinity to the GPU's node, and the gate lifted. The pod's resourceVersion is
+    the precondition, so the patch applies to the pod as it was read."""
+    spec = pod.get("spec") or {}
+    gates = [g for g in spec.get("schedulingGates") or [] if g.get("name") != QUEUE_GATE]
+    return {
+        "metadata": {"resourceVersion": pod["metadata"]["resourceVersion"], "annotations": annotations},
+        "spec": {"affinity": affinity_on(spec, node), "schedulingGates": gates or None},
+    }
