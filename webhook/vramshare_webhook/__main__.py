@@ -14,6 +14,7 @@ from aiohttp import web
 from vramshare import logs
 from vramshare.kube.client import Connection, KubeClient
 from vramshare.kube.ledger import KubeLedger
+from vramshare.kube.watch import WatchCache
 from vramshare.settings import SettingsError
 from vramshare_webhook.admission import Admitter
 from vramshare_webhook.app import create_app
@@ -59,6 +60,14 @@ async def serve(settings: WebhookSettings) -> None:
             on_consistent_read=metrics.consistent_reads.inc,
         )
         tls, secret = await _certificates(settings, kube)
+        # Namespaces that choose queue mode (or opt out of it) by label.
+        namespaces: WatchCache[dict[str, str]] = WatchCache(
+            kube,
+            "/api/v1/namespaces",
+            decode=lambda o: dict(o["metadata"].get("labels") or {}),
+            label_selector=settings.queue_namespace_label,
+            name="namespaces",
+        )
 
         async def announce_sync() -> None:
             await ledger.devices.synced.wait()
@@ -67,9 +76,15 @@ async def serve(settings: WebhookSettings) -> None:
 
         def ready() -> bool:
             # Ready once the watch caches hold the inventory and the live ledger.
-            return ledger.synced and (secret is None or not secret.manage or secret.injected)
+            synced = ledger.synced and namespaces.synced.is_set()
+            return synced and (secret is None or not secret.manage or secret.injected)
 
-        admitter = Admitter(settings=settings, ledger=ledger, metrics=metrics)
+        admitter = Admitter(
+            settings=settings,
+            ledger=ledger,
+            metrics=metrics,
+            namespace_labels=lambda namespace: namespaces.items.get(f"/{namespace}", {}),
+        )
         runner = web.AppRunner(create_app(admitter=admitter, ready=ready), access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, settings.host, settings.port, ssl_context=tls.context, backlog=512)
@@ -81,7 +96,11 @@ async def serve(settings: WebhookSettings) -> None:
             policy=settings.policy.value,
             tls_mode=settings.tls_mode.value,
         )
-        tasks = [asyncio.create_task(ledger.run()), asyncio.create_task(announce_sync())]
+        tasks = [
+            asyncio.create_task(ledger.run()),
+            asyncio.create_task(namespaces.run()),
+            asyncio.create_task(announce_sync()),
+        ]
         if secret is None:
             tasks.append(asyncio.create_task(tls.watch()))
         else:

@@ -18,10 +18,12 @@ from vramshare import logs
 from vramshare.controller.devices import InventoryLoop
 from vramshare.controller.leader import LeadershipLostError, LeaseElector
 from vramshare.controller.metrics import ControllerMetrics
+from vramshare.controller.queue import QueueLoop
 from vramshare.controller.reservations import ReservationReconciler
 from vramshare.controller.settings import ControllerSettings
 from vramshare.controller.state import ClusterState
 from vramshare.kube.client import Connection, KubeClient
+from vramshare.kube.ledger import KubeLedger
 from vramshare.kube.resources import GROUP, LABEL_ACTIVE, LABEL_RESERVATION, RESERVATIONS, VERSION
 from vramshare.prometheus import DcgmSource
 from vramshare.settings import SettingsError
@@ -29,8 +31,11 @@ from vramshare.settings import SettingsError
 log = structlog.get_logger("vramshare.controller")
 
 
-def kopf_registry(inventory: InventoryLoop, reconciler: ReservationReconciler) -> kopf.OperatorRegistry:
-    """kopf watches the pods vramshare admitted and hands every change to the reconciler at once."""
+def kopf_registry(
+    inventory: InventoryLoop, reconciler: ReservationReconciler, queue: QueueLoop
+) -> kopf.OperatorRegistry:
+    """kopf watches the pods vramshare admitted and hands every change to the reconciler at once; a
+    change to a pod or a reservation also wakes the queue (memory may have freed up)."""
     registry = kopf.OperatorRegistry()
 
     @kopf.on.startup(registry=registry)
@@ -47,6 +52,7 @@ def kopf_registry(inventory: InventoryLoop, reconciler: ReservationReconciler) -
         await reconciler.pod_changed(
             dict(event["body"]), deleted=event["type"] == "DELETED", presence=inventory.presence
         )
+        queue.wake()
 
     # Every active reservation, so that a booking whose pod never appears is looked at again the
     # moment its TTL runs out (not at the next sweep).
@@ -54,6 +60,7 @@ def kopf_registry(inventory: InventoryLoop, reconciler: ReservationReconciler) -
     def reservation_changed(**event: Any) -> None:
         if event["type"] != "DELETED":
             reconciler.reservation_seen(dict(event["body"]), presence=lambda: inventory.presence)
+        queue.wake()
 
     return registry
 
@@ -80,10 +87,12 @@ async def run(settings: ControllerSettings) -> None:
             metrics.leader.set(1)
             try:
                 state = ClusterState(kube)
+                ledger = KubeLedger(kube)
                 await lead(
                     state,
                     InventoryLoop(kube=kube, source=source, settings=settings, metrics=metrics, state=state),
                     ReservationReconciler(kube=kube, settings=settings, metrics=metrics, state=state),
+                    QueueLoop(kube=kube, ledger=ledger, state=state, settings=settings, metrics=metrics),
                     elector,
                 )
             except LeadershipLostError as exc:
@@ -93,10 +102,14 @@ async def run(settings: ControllerSettings) -> None:
 
 
 async def lead(
-    state: ClusterState, inventory: InventoryLoop, reconciler: ReservationReconciler, elector: LeaseElector
+    state: ClusterState,
+    inventory: InventoryLoop,
+    reconciler: ReservationReconciler,
+    queue: QueueLoop,
+    elector: LeaseElector,
 ) -> None:
-    """Run the leader's two loops over the watch-fed state (and kopf's event handlers) until one ends;
-    re-raise why (LeadershipLostError above all)."""
+    """Run the leader's three loops over the watch-fed state (and kopf's event handlers) until one
+    ends; re-raise why (LeadershipLostError above all)."""
     stop = asyncio.Event()
 
     async def loops() -> None:
@@ -107,15 +120,20 @@ async def lead(
             reservations=len(state.reservations.items),
             pods=len(state.pods.items),
         )
-        await asyncio.gather(inventory.run(), reconciler.run(presence=lambda: inventory.presence))
+        await queue.ledger.devices.synced.wait()
+        await queue.ledger.reservations.synced.wait()
+        await asyncio.gather(
+            inventory.run(), reconciler.run(presence=lambda: inventory.presence), queue.run()
+        )
 
     tasks = [
         asyncio.create_task(elector.hold(), name="lease"),
         asyncio.create_task(state.run(), name="state"),
+        asyncio.create_task(queue.ledger.run(), name="ledger"),
         asyncio.create_task(loops(), name="loops"),
         asyncio.create_task(
             kopf.operator(
-                registry=kopf_registry(inventory, reconciler),
+                registry=kopf_registry(inventory, reconciler, queue),
                 standalone=True,
                 clusterwide=True,
                 stop_flag=stop,

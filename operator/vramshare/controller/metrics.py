@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 
 class ControllerMetrics:
@@ -59,6 +59,20 @@ class ControllerMetrics:
             "vramshare_reservation_transitions",
             "Reservation phase changes by the reason (PodBound, PodNeverCreated, GpuMissing, ...).",
             ["phase", "reason"],
+            registry=self.registry,
+        )
+        self.queued = Gauge(
+            "vramshare_queued_pods", "Pods waiting in the queue for GPU memory.", registry=self.registry
+        )
+        self.queue_placements = Counter(
+            "vramshare_queue_placements",
+            "Queued pods placed on a GPU (the gate lifted).",
+            registry=self.registry,
+        )
+        self.queue_wait = Histogram(
+            "vramshare_queue_wait_seconds",
+            "How long placed pods waited in the queue.",
+            buckets=(1, 5, 15, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200),
             registry=self.registry,
         )
         self.leader = Gauge(

@@ -144,8 +144,10 @@ def plan(
         gpu_missing=gpu_missing,
         age_s=now - (res.meta.created_at or 0.0),
         ttl_s=ttl_s,
+        seen=bool(current.pod_uid),
     )
-    active_after = transition.phase.is_active if transition is not None else res.phase.is_active
+    # Open (queued or holding memory): its pod is recorded and owns it.
+    active_after = transition.phase.is_open if transition is not None else res.phase.is_open
     if pod is not None and active_after:
         if current.pod_uid != pod.uid:
             status = replace(status, pod_uid=pod.uid)
@@ -156,7 +158,9 @@ def plan(
     event, on_reservation = None, False
     if transition is not None:
         status = replace(status, phase=transition.phase, reason=transition.reason, message=transition.message)
-        status = replace(status, finished_at=None if transition.phase.is_active else now)
+        status = replace(status, finished_at=None if transition.phase.is_open else now)
+        if not transition.phase.is_open:
+            status = replace(status, queue_position=None)
         event = _event(res, transition)
         on_reservation = transition.reason == "PodNeverCreated"
         if pod is None and not on_reservation:
@@ -254,7 +258,7 @@ class ReservationReconciler:
         a booking whose pod never appears stops counting on time, not at the next sweep."""
         res = GpuReservation.from_wire(obj)
         key = (res.namespace, res.name)
-        waiting = res.phase is ReservationPhase.RESERVED and not res.status.pod_uid
+        waiting = res.phase in (ReservationPhase.RESERVED, ReservationPhase.QUEUED) and not res.status.pod_uid
         if not waiting or key in self._deadlines:
             if not waiting and key in self._deadlines:
                 self._deadlines.pop(key).cancel()

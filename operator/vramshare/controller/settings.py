@@ -7,7 +7,7 @@ import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
-from vramshare.domain import Accounting
+from vramshare.domain import Accounting, AllocationSettings, Policy, QueueSettings
 from vramshare.domain.inventory import InventorySettings
 from vramshare.settings import check_accounting, from_env, invalid
 
@@ -31,6 +31,12 @@ class ControllerSettings:
     """Released, Expired and Lost reservations are deleted this long after they ended."""
     lifecycle_interval_s: float = 10.0
     """How often every reservation is checked (pod events act at once; this catches the rest)."""
+    policy: Policy = Policy.SPREAD
+    """Which fitting GPU a queued pod gets (the webhook's VRAMSHARE_POLICY)."""
+    queue_interval_s: float = 2.0
+    """How often the queue is planned when nothing wakes it (a pod ending, a reservation released)."""
+    hold_limit_s: float = 900.0
+    """How long one GPU's freed memory is kept for the head of the queue before the hold moves on."""
     namespace: str = "vramshare"
     lease_name: str = "vramshare-controller"
     lease_duration_s: float = 15.0
@@ -39,6 +45,14 @@ class ControllerSettings:
     metrics_port: int = 8080
     kubeconfig: str = ""
     log_level: str = "info"
+
+    @property
+    def allocation(self) -> AllocationSettings:
+        return AllocationSettings(policy=self.policy, accounting=self.accounting)
+
+    @property
+    def queue(self) -> QueueSettings:
+        return QueueSettings(hold_limit_s=self.hold_limit_s)
 
     @property
     def inventory(self) -> InventorySettings:
@@ -51,6 +65,8 @@ class ControllerSettings:
             "reservation_ttl_s",
             "lease_duration_s",
             "lifecycle_interval_s",
+            "queue_interval_s",
+            "hold_limit_s",
         ):
             if getattr(self, name) <= 0:
                 raise invalid(name, getattr(self, name), "a positive number of seconds")

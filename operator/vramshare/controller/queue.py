@@ -1,0 +1,232 @@
+"""The queue loop: place waiting pods on GPUs as memory frees up, then lift their scheduling gates.
+
+A queued pod was admitted behind the scheduling gate `vramshare.io/gpu-memory` with a Queued
+GpuReservation (no GPU). On every pass, woken by a pod or reservation change or every
+`queue_interval_s`, the leader:
+
+1. lifts the gate of every pod whose entry is placed but whose pod still waits (a pass that placed it
+   and then stopped, e.g. a failover in between, is finished by the next leader);
+2. plans the queue with the pure `plan_queue` (oldest first, backfill, a bounded hold for the head)
+   over the ledger's view, and places each pod through the ledger's commit (the same protocol and
+   conflict handling as an admission), then writes the GPU into its annotations, pins it to the
+   GPU's node and lifts its gate; the kubelet resolves NVIDIA_VISIBLE_DEVICES from the annotation
+   when the container starts;
+3. writes each waiting entry's position (and, for the head, the GPU held for it) to its status.
+
+The queue is the set of Queued GpuReservations, ordered by creation time: it lives in the API server,
+so a new leader continues it. Only the hold's start time is in memory; a new leader starts it anew.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+
+import structlog
+
+from vramshare.controller.metrics import ControllerMetrics
+from vramshare.controller.settings import ControllerSettings
+from vramshare.controller.state import ClusterState
+from vramshare.domain import Hold, ReservationPhase, Waiting, plan_queue
+from vramshare.kube.client import ApiError, KubeClient, Obj
+from vramshare.kube.events import Event, Involved, post_event
+from vramshare.kube.ledger import CommitConflictError, KubeLedger
+from vramshare.kube.objects import GpuReservation
+from vramshare.kube.pods import gated, pinned_nodes, release_patch
+from vramshare.kube.resources import (
+    ANNOTATION_GPU_INDEX,
+    ANNOTATION_GPU_UUID,
+    ANNOTATION_NODE,
+    ANNOTATION_RESERVATION,
+    reservations_path,
+)
+
+log = structlog.get_logger("vramshare.queue")
+
+
+def placement_annotations(res: GpuReservation) -> dict[str, str]:
+    spec = res.spec
+    return {
+        ANNOTATION_RESERVATION: res.name,
+        ANNOTATION_GPU_UUID: spec.gpu_uuid,
+        ANNOTATION_GPU_INDEX: str(spec.gpu_index),
+        ANNOTATION_NODE: spec.node_name,
+    }
+
+
+class QueueLoop:
+    def __init__(
+        self,
+        *,
+        kube: KubeClient,
+        ledger: KubeLedger,
+        state: ClusterState,
+        settings: ControllerSettings,
+        metrics: ControllerMetrics,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.kube = kube
+        self.ledger = ledger
+        self.state = state
+        self.settings = settings
+        self.metrics = metrics
+        self.clock = clock
+        self.hold: Hold | None = None
+        self._wake = asyncio.Event()
+
+    def wake(self) -> None:
+        """Something changed (a pod ended, a reservation was released or queued): plan again now."""
+        self._wake.set()
+
+    async def run(self) -> None:
+        while True:
+            self._wake.clear()
+            try:
+                await self.step()
+            except Exception as exc:  # the next pass tries again
+                log.warning("queue pass failed", error=str(exc))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout=self.settings.queue_interval_s)
+
+    def _pod_of(self, res: GpuReservation, pods: dict[tuple[str, str], list[Obj]]) -> Obj | None:
+        uid = res.status.pod_uid
+        return next((p for p in pods.get((res.namespace, res.name), []) if p["metadata"]["uid"] == uid), None)
+
+    async def step(self) -> int:
+        """One pass; returns how many pods it placed."""
+        pods = self.state.pods_by_reservation()
+        entries = list(self.state.reservations.items.values())
+        for res in entries:
+            if res.spec.placed and res.phase.is_active and res.status.pod_uid:
+                pod = self._pod_of(res, pods)
+                if pod is not None and gated(pod):
+                    await self._release(res, pod)
+        queued: dict[str, tuple[GpuReservation, Obj]] = {}
+        for res in entries:
+            if res.phase is not ReservationPhase.QUEUED or not res.status.pod_uid:
+                continue  # its pod has not been seen yet: nothing to place
+            placed_meanwhile = self.ledger.reservations.items.get(res.key)
+            if placed_meanwhile is not None and placed_meanwhile.is_active:
+                continue  # this process placed it a moment ago; the state's cache is behind
+            pod = self._pod_of(res, pods)
+            if pod is not None and gated(pod):
+                queued[res.key] = (res, pod)
+        self.metrics.queued.set(len(queued))
+        if not queued:
+            self.hold = None
+            return 0
+        now = self.clock()
+        snapshot = await self.ledger.snapshot()
+        waiting = [
+            Waiting(
+                key=key,
+                namespace=res.namespace,
+                pod=res.spec.pod_name,
+                mib=res.spec.memory_mib,
+                queued_at=res.meta.created_at or 0.0,
+                nodes=pinned_nodes(pod),
+            )
+            for key, (res, pod) in queued.items()
+        ]
+        ledger = snapshot.index.reservations() if snapshot.index is not None else snapshot.reservations
+        plan = plan_queue(
+            waiting,
+            snapshot.gpus,
+            ledger,
+            settings=self.settings.allocation,
+            queue=self.settings.queue,
+            hold=self.hold,
+            now=now,
+        )
+        self.hold = plan.hold
+        placed = 0
+        for w, choice in plan.placements:
+            res, pod = queued[w.key]
+            try:
+                booked = await self.ledger.place(
+                    entry=res, gpu=choice.gpu, token=snapshot.tokens[choice.gpu.uuid], live=snapshot.live
+                )
+            except CommitConflictError:
+                self.wake()  # another commit on that GPU: plan again on a fresh view
+                break
+            except ApiError as exc:
+                if exc.conflict or exc.not_found:  # the entry changed or went (its pod was deleted)
+                    self.wake()
+                    continue
+                raise
+            placed += 1
+            self.metrics.queue_placements.inc()
+            self.metrics.queue_wait.observe(max(0.0, now - w.queued_at))
+            log.info(
+                "placed from the queue",
+                reservation=res.key,
+                gpu=choice.gpu.uuid,
+                node=choice.gpu.node,
+                mib=w.mib,
+                waited_s=round(now - w.queued_at, 1),
+            )
+            await self._release(booked, pod)
+        await self._write_positions(queued, plan.positions, now=now)
+        return placed
+
+    async def _release(self, res: GpuReservation, pod: Obj) -> None:
+        """Write the placement into the gated pod and lift the gate (read again once if it changed)."""
+        meta = pod["metadata"]
+        path = f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}"
+        for _ in range(3):
+            try:
+                await self.kube.merge_patch(
+                    path, release_patch(pod, annotations=placement_annotations(res), node=res.spec.node_name)
+                )
+                return
+            except ApiError as exc:
+                if exc.not_found:
+                    return  # deleted meanwhile: the reconciler releases its booking
+                if not exc.conflict:
+                    raise
+            pod = await self.kube.get(path)
+            if not gated(pod):
+                return
+
+    async def _write_positions(
+        self, queued: dict[str, tuple[GpuReservation, Obj]], positions: dict[str, int], *, now: float
+    ) -> None:
+        hold = self.hold
+        for key, position in positions.items():
+            res, pod = queued[key]
+            message = f"waits for {res.spec.memory_mib} MiB of GPU memory: position {position} in the queue"
+            if hold is not None and hold.key == key:
+                message += f"; GPU {hold.gpu_uuid} is held for it as memory frees up"
+            if res.status.queue_position == position and res.status.message == message:
+                continue
+            try:
+                await self.kube.merge_patch(
+                    f"{reservations_path(res.namespace, res.name)}/status",
+                    {"status": {"phase": "Queued", "queuePosition": position, "message": message}},
+                )
+            except ApiError as exc:
+                if not (exc.not_found or exc.conflict):
+                    raise
+                continue
+            if res.status.queue_position is None:  # first seen in the queue: tell the pod's owner
+                meta = pod["metadata"]
+                await post_event(
+                    self.kube,
+                    namespace=res.namespace,
+                    involved=Involved(
+                        api_version="v1",
+                        kind="Pod",
+                        name=meta["name"],
+                        uid=meta["uid"],
+                        namespace=res.namespace,
+                    ),
+                    event=Event(
+                        type="Normal",
+                        reason="QueuedForGpu",
+                        message=f"No GPU has {res.spec.memory_mib} MiB free now; the pod {message}",
+                    ),
+                    now=now,
+                    reporter=self.settings.identity,
+                )
