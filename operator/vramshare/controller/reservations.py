@@ -159,8 +159,8 @@ def plan(
     if transition is not None:
         status = replace(status, phase=transition.phase, reason=transition.reason, message=transition.message)
         status = replace(status, finished_at=None if transition.phase.is_open else now)
-        if not transition.phase.is_open:
-            status = replace(status, queue_position=None)
+        if transition.phase is not ReservationPhase.QUEUED:
+            status = replace(status, queue_position=None)  # it left the queue
         event = _event(res, transition)
         on_reservation = transition.reason == "PodNeverCreated"
         if pod is None and not on_reservation:

@@ -1,0 +1,272 @@
+"""Queue mode on the real stack: API server, scheduler, kwok pods, fake exporter, Prometheus, the webhook
+over TLS and two controller replicas. A pod that does not fit waits behind a scheduling gate and is
+placed when memory frees; its own control plane, since it fills every GPU."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from kubernetes import client, config
+
+from vramshare.kube.pods import QUEUE_GATE
+from vramshare.kube.resources import ANNOTATION_GPU_UUID, ANNOTATION_RESERVATION
+from vramshare_e2e.cluster import RUN_DURATION_ANNOTATION, LocalCluster, eventually
+from vramshare_e2e.components import start_controller, start_webhook, webhook_configuration
+
+pytestmark = pytest.mark.cluster
+
+NS = "queued"
+MARGIN = 512
+CONTROLLER_ENV = {
+    "VRAMSHARE_POLL_INTERVAL_S": "1",
+    "VRAMSHARE_LIFECYCLE_INTERVAL_S": "1",
+    "VRAMSHARE_RESERVATION_TTL_S": "6",
+    "VRAMSHARE_SETTLE_S": "2",
+    "VRAMSHARE_SAFETY_MARGIN_MIB": str(MARGIN),
+    "VRAMSHARE_LEASE_DURATION_S": "4",
+    "VRAMSHARE_QUEUE_INTERVAL_S": "1",
+}
+
+
+@pytest.fixture(scope="module")
+def stack() -> Iterator[LocalCluster]:
+    with LocalCluster.start() as local:
+        port = start_webhook(local, name="webhook", env={"VRAMSHARE_SETTLE_S": "2"})[1]
+        local.apply_objects([webhook_configuration(local, ports={"q": port})])
+        local.kubectl("create", "namespace", NS)
+        # Queue mode by namespace label; the webhook shard by the harness's label.
+        local.kubectl("label", "namespace", NS, "vramshare-e2e/shard=q", "vramshare.io/queue=true")
+        start_controller(local, name="controller-1", env=CONTROLLER_ENV)
+        start_controller(local, name="controller-2", env=CONTROLLER_ENV)
+        yield local
+
+
+@pytest.fixture(scope="module")
+def core(stack: LocalCluster) -> client.CoreV1Api:
+    return client.CoreV1Api(config.new_client_from_config(config_file=str(stack.kubeconfig)))
+
+
+def capacity(stack: LocalCluster) -> dict[str, int]:
+    """What each GPU can book when empty: total - driver reserved - margin."""
+    return {g.uuid: g.total_mib - g.driver_reserved_mib - MARGIN for _, g in stack.settings.fleet.all_gpus()}
+
+
+def gpu_pod(name: str, mib: int, *, run: str | None = None, queue: str | None = None) -> client.V1Pod:
+    annotations = {"gpu-mem-mb": str(mib)}
+    if run:
+        annotations[RUN_DURATION_ANNOTATION] = run
+    if queue is not None:
+        annotations["gpu-queue"] = queue
+    return client.V1Pod(
+        metadata=client.V1ObjectMeta(name=name, annotations=annotations),
+        spec=client.V1PodSpec(
+            containers=[client.V1Container(name="base", image="example.invalid/task")], restart_policy="Never"
+        ),
+    )
+
+
+def reservations(stack: LocalCluster) -> dict[str, dict[str, Any]]:
+    items = json.loads(stack.kubectl("get", "gpureservations", "-n", NS, "-o", "json"))["items"]
+    return {r["metadata"]["name"]: r for r in items}
+
+
+def phase(r: dict[str, Any]) -> str | None:
+    return r.get("status", {}).get("phase")
+
+
+def gates(core: client.CoreV1Api, name: str) -> list[str]:
+    pod = core.read_namespaced_pod(name, NS)
+    return [g.name for g in pod.spec.scheduling_gates or []]
+
+
+def fill_every_gpu(stack: LocalCluster, *, used: bool) -> None:
+    """Make every GPU look full to DCGM (an outside process), or empty again."""
+    for _, gpu in stack.settings.fleet.all_gpus():
+        stack.exporter.set_used(gpu.uuid, gpu.total_mib - gpu.driver_reserved_mib - 100 if used else 0)
+
+
+def test_a_queued_pod_waits_gated_and_is_placed_within_seconds_of_memory_freeing(
+    stack: LocalCluster, core: client.CoreV1Api
+) -> None:
+    # Fill every GPU with bookings that end in a few seconds (largest first: each lands on its size).
+    for i, room in enumerate(sorted(capacity(stack).values(), reverse=True)):
+        core.create_namespaced_pod(NS, gpu_pod(f"blocker-{i}", room, run="8s"))
+    waiter = core.create_namespaced_pod(NS, gpu_pod("waiter", 20_000))
+    entry = waiter.metadata.annotations[ANNOTATION_RESERVATION]
+    assert QUEUE_GATE in gates(core, "waiter")
+    assert ANNOTATION_GPU_UUID not in waiter.metadata.annotations
+    env = {e.name: e for e in waiter.spec.containers[0].env}
+    assert env["NVIDIA_VISIBLE_DEVICES"].value_from.field_ref.field_path == (
+        f"metadata.annotations['{ANNOTATION_GPU_UUID}']"
+    )
+    assert env["CUDA_VISIBLE_DEVICES"].value == "0"
+    queued = eventually(
+        lambda: (r := reservations(stack).get(entry)) and r.get("status", {}).get("queuePosition") == 1 and r,
+        what="the entry Queued at position 1",
+    )
+    assert phase(queued) == "Queued"
+    assert "gpuUUID" not in queued["spec"]
+    assert any(
+        e.reason == "QueuedForGpu"
+        for e in core.list_namespaced_event(NS).items
+        if e.involved_object.name == "waiter"
+    )
+    # The blockers finish; the waiter is placed on an A100 (the only GPUs big enough) within seconds.
+    blockers = [n for n, r in reservations(stack).items() if r["spec"]["podName"].startswith("blocker-")]
+    eventually(
+        lambda: any(phase(reservations(stack)[n]) == "Released" for n in blockers),
+        what="a blocker released",
+        timeout_s=30,
+    )
+    freed = time.monotonic()
+    placed = eventually(
+        lambda: not gates(core, "waiter") and core.read_namespaced_pod("waiter", NS), what="the gate lifted"
+    )
+    delay = time.monotonic() - freed
+    print(f"\nqueued pod placed {delay:.1f} s after the first blocker was released")
+    assert delay < 15
+    uuid = placed.metadata.annotations[ANNOTATION_GPU_UUID]
+    node = next(n for n, g in stack.settings.fleet.all_gpus() if g.uuid == uuid)
+    assert capacity(stack)[uuid] >= 20_000
+    terms = placed.spec.affinity.node_affinity.required_during_scheduling_ignored_during_execution
+    assert terms.node_selector_terms[0].match_expressions[0].values == [node.name]
+    bound = eventually(
+        lambda: (r := reservations(stack)[entry]) and phase(r) == "Bound" and r, what="Bound", timeout_s=20
+    )
+    assert bound["spec"]["gpuUUID"] == uuid
+    assert "queuePosition" not in bound["status"]
+    eventually(lambda: core.read_namespaced_pod("waiter", NS).spec.node_name == node.name, what="scheduled")
+    core.delete_namespaced_pod("waiter", NS)
+
+
+def test_a_request_no_gpu_could_ever_take_is_refused_and_the_annotation_opts_out(
+    core: client.CoreV1Api,
+) -> None:
+    with pytest.raises(client.ApiException) as refused:
+        core.create_namespaced_pod(NS, gpu_pod("too-big", 60_000))
+    assert refused.value.status == 403
+    with pytest.raises(client.ApiException) as bad:
+        core.create_namespaced_pod(NS, gpu_pod("bad-queue", 1000, queue="maybe"))
+    assert bad.value.status == 400
+    assert 'annotation \\"gpu-queue\\" is \\"maybe\\"' in bad.value.body
+
+
+def test_deleting_a_queued_pod_takes_it_out_of_the_queue(stack: LocalCluster, core: client.CoreV1Api) -> None:
+    fill_every_gpu(stack, used=True)
+    try:
+        eventually(lambda: refused_now(core), what="GPUs seen full", timeout_s=30)
+        first = core.create_namespaced_pod(NS, gpu_pod("q-first", 4096))
+        second = core.create_namespaced_pod(NS, gpu_pod("q-second", 4096))
+        names = [p.metadata.annotations[ANNOTATION_RESERVATION] for p in (first, second)]
+        eventually(
+            lambda: [reservations(stack)[n].get("status", {}).get("queuePosition") for n in names] == [1, 2],
+            what="positions 1 and 2",
+        )
+        core.delete_namespaced_pod("q-first", NS)
+        eventually(
+            lambda: names[0] not in reservations(stack) or phase(reservations(stack)[names[0]]) == "Released",
+            what="the deleted pod's entry leaving the queue",
+        )
+        eventually(
+            lambda: reservations(stack)[names[1]].get("status", {}).get("queuePosition") == 1,
+            what="the second moving up",
+        )
+    finally:
+        fill_every_gpu(stack, used=False)
+    eventually(
+        lambda: not gates(core, "q-second"), what="the second placed once the GPUs are free", timeout_s=30
+    )
+    core.delete_namespaced_pod("q-second", NS)
+
+
+def refused_now(core: client.CoreV1Api) -> bool:
+    """A dry-run creation in refuse mode says no GPU fits (the webhook sees the GPUs full)."""
+    try:
+        core.create_namespaced_pod(NS, gpu_pod("probe", 2048, queue="false"), dry_run="All")
+    except client.ApiException as exc:
+        return exc.status == 403
+    return False
+
+
+def test_fifty_queued_pods_over_a_controller_failover_are_placed_once_without_overbooking(
+    stack: LocalCluster, core: client.CoreV1Api
+) -> None:
+    caps = capacity(stack)
+    fill_every_gpu(stack, used=True)
+    eventually(lambda: refused_now(core), what="GPUs seen full", timeout_s=30)
+    pods = [f"many-{i:02d}" for i in range(50)]
+    for name in pods:
+        core.create_namespaced_pod(NS, gpu_pod(name, 4096, run="3s"))
+    eventually(
+        lambda: (
+            sum(
+                phase(r) == "Queued" and r.get("status", {}).get("podUID") is not None
+                for r in reservations(stack).values()
+                if r["spec"]["podName"].startswith("many-")
+            )
+            == 50
+        ),
+        what="50 entries queued with their pods",
+    )
+    worst: Counter[str] = Counter()
+    problems: list[str] = []
+    stop = threading.Event()
+
+    def watch_bookings() -> None:
+        while not stop.is_set():
+            try:
+                booked: Counter[str] = Counter()
+                for r in reservations(stack).values():
+                    if phase(r) in ("Reserved", "Bound", "Lost") or (
+                        r["spec"].get("gpuUUID") and phase(r) == "Queued"
+                    ):
+                        booked[r["spec"]["gpuUUID"]] += r["spec"]["memoryMiB"]
+                for uuid, mib in booked.items():
+                    worst[uuid] = max(worst[uuid], mib)
+            except Exception as exc:  # reported below: a monitor that dies must fail the test
+                problems.append(repr(exc))
+                return
+            time.sleep(0.2)
+
+    monitor = threading.Thread(target=watch_bookings, daemon=True)
+    monitor.start()
+    fill_every_gpu(stack, used=False)
+    leader = json.loads(stack.kubectl("get", "lease", "vramshare-controller", "-n", "default", "-o", "json"))
+    holder = leader["spec"]["holderIdentity"]
+    eventually(
+        lambda: sum(not gates(core, n) for n in pods[:20]) >= 5, what="the first placements", timeout_s=60
+    )
+    stack.stop_component(holder, kill=True)  # the leader dies mid-way
+    try:
+        eventually(
+            lambda: all(core.read_namespaced_pod(n, NS).status.phase == "Succeeded" for n in pods),
+            what="all 50 pods placed and finished",
+            timeout_s=180,
+            interval_s=1,
+        )
+    finally:
+        stop.set()
+        monitor.join(timeout=5)
+        stack.start_component(holder)
+    assert not problems, problems
+    final = {
+        r["spec"]["podName"]: r
+        for r in reservations(stack).values()
+        if r["spec"]["podName"].startswith("many-")
+    }
+    assert sorted(final) == pods  # one entry per pod, none lost or duplicated
+    for name in pods:
+        pod = core.read_namespaced_pod(name, NS)
+        r = final[name]
+        assert pod.metadata.annotations[ANNOTATION_GPU_UUID] == r["spec"]["gpuUUID"], name  # placed once
+        assert r["status"]["podUID"] == pod.metadata.uid
+        assert phase(r) == "Released", name
+    for uuid, mib in worst.items():
+        assert mib <= caps[uuid], f"{uuid} booked {mib} MiB of {caps[uuid]}"
+    print(f"\npeak bookings per GPU: {dict(worst)} (capacity {caps})")
