@@ -14,6 +14,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from vramshare.domain import ReservationPhase
 from vramshare.kube.client import Connection, KubeClient
 from vramshare.kube.objects import GpuDevice, GpuReservation
 from vramshare.kube.resources import devices_path, reservations_path
@@ -46,6 +47,7 @@ class ReservationRow:
     gpu_index: int
     phase: str
     age_s: float
+    queue_position: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -85,10 +87,20 @@ def from_objects(devices: list[dict[str, Any]], reservations: list[dict[str, Any
                 gpu_index=res.spec.gpu_index,
                 phase=res.phase.value,
                 age_s=max(0.0, now - (res.meta.created_at or now)),
+                queue_position=res.status.queue_position if res.phase is ReservationPhase.QUEUED else None,
             )
         )
     gpus.sort(key=lambda g: (g.node, g.index, g.uuid))
-    rows.sort(key=lambda r: (r.phase not in ("Reserved", "Bound"), r.node, r.gpu_index, r.namespace, r.name))
+    rows.sort(
+        key=lambda r: (
+            {"Reserved": 0, "Bound": 0, "Queued": 1}.get(r.phase, 2),
+            r.queue_position or 0,
+            r.node,
+            r.gpu_index,
+            r.namespace,
+            r.name,
+        )
+    )
     return Status(gpus=gpus, reservations=rows)
 
 
@@ -139,16 +151,16 @@ def render(status: Status, *, all_phases: bool = True) -> str:
         ]
         for g in status.gpus
     ]
-    res = [r for r in status.reservations if all_phases or r.phase in ("Reserved", "Bound")]
+    res = [r for r in status.reservations if all_phases or r.phase in ("Queued", "Reserved", "Bound")]
     res_rows = [
         [
             r.namespace,
             r.pod,
             str(r.mib),
-            r.node,
-            str(r.gpu_index),
-            short_uuid(r.gpu_uuid),
-            r.phase,
+            r.node or "-",
+            str(r.gpu_index) if r.gpu_uuid else "-",
+            short_uuid(r.gpu_uuid) or "-",
+            f"{r.phase} #{r.queue_position}" if r.queue_position else r.phase,
             age(r.age_s),
         ]
         for r in res
@@ -201,7 +213,7 @@ def main(argv: list[str] | None = None) -> None:
     status = sub.add_parser("status", help="GPUs and reservations of the current cluster")
     status.add_argument("-o", "--output", choices=["table", "json"], default="table")
     status.add_argument("--kubeconfig", help="default: $KUBECONFIG or ~/.kube/config")
-    status.add_argument("--active", action="store_true", help="only Reserved and Bound reservations")
+    status.add_argument("--active", action="store_true", help="only Queued, Reserved and Bound reservations")
     args = parser.parse_args(argv)
     try:
         current = asyncio.run(fetch(args.kubeconfig))

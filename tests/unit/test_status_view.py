@@ -115,4 +115,21 @@ def test_json_output() -> None:
         "gpu_index": 1,
         "phase": "Bound",
         "age_s": 300.0,
+        "queue_position": None,
     }
+
+
+def test_queued_entries_show_their_position_and_no_gpu() -> None:
+    from vramshare.status import from_objects, render
+
+    queued = {
+        "metadata": {"name": "big-1", "namespace": "airflow", "creationTimestamp": "2026-11-30T10:00:00Z"},
+        "spec": {"podName": "train-big", "memoryMiB": 32768},
+        "status": {"phase": "Queued", "queuePosition": 2},
+    }
+    status = from_objects([], [queued], now=1_800_000_000.0)
+    row = status.reservations[0]
+    assert (row.phase, row.queue_position, row.gpu_uuid) == ("Queued", 2, "")
+    line = render(status).splitlines()[-1]
+    assert "train-big" in line
+    assert "Queued #2" in line
