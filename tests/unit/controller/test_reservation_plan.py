@@ -172,3 +172,50 @@ def test_ended_reservations_are_labelled_inactive_once() -> None:
     assert not make(
         obj("Bound", owners=[{"uid": "uid-1"}], podUID="uid-1", podRunningSince=format_time(NOW - 30))
     ).active_label
+
+
+def queued_obj(*, placed: bool = False, **status: Any) -> dict[str, Any]:
+    o = obj(**status)
+    if not placed:
+        o["spec"] = {"podName": "task", "memoryMiB": 4096}
+    o["metadata"]["labels"] = {"vramshare.io/active": "true"}
+    return o
+
+
+QUEUED_POD = PodSighting(
+    name="task", uid="uid-1", created_at=NOW - 5, state=PodState.ACTIVE, running_since=None, gpu_uuid=None
+)
+
+
+def test_a_queued_entry_records_its_pod_and_stays_queued_and_active() -> None:
+    p = make(queued_obj(), QUEUED_POD)
+    assert p.transition is None
+    assert p.status is not None
+    assert p.status.phase is ReservationPhase.QUEUED
+    assert p.status.pod_uid == "uid-1"
+    assert p.owner == QUEUED_POD
+    assert p.active_label is None  # still open: the webhook and the queue keep seeing it
+
+
+def test_a_placed_queue_entry_binds_to_the_pod_it_recorded_and_leaves_the_queue() -> None:
+    o = queued_obj(placed=True, phase="Queued", podUID="uid-1", queuePosition=1)
+    placed_pod = PodSighting(
+        name="task",
+        uid="uid-1",
+        created_at=NOW - 5,
+        state=PodState.ACTIVE,
+        running_since=None,
+        gpu_uuid="GPU-1",
+    )
+    p = make(o, placed_pod)
+    assert p.status is not None
+    assert p.status.phase is ReservationPhase.BOUND
+    assert p.status.queue_position is None
+    assert "queuePosition" not in p.status.to_wire()
+
+
+def test_a_queued_entry_whose_pod_was_deleted_leaves_the_queue() -> None:
+    p = make(queued_obj(phase="Queued", podUID="uid-1", queuePosition=3), None)
+    assert p.transition is not None
+    assert (p.transition.phase, p.transition.reason) == (ReservationPhase.RELEASED, "PodDeleted")
+    assert p.active_label == "false"
