@@ -41,7 +41,9 @@ VARIANTS = {
         "--set",
         "webhook.replicas=3",
         "--set",
-        "webhook.settings.policy=binpack",
+        "global.settings.policy=binpack",
+        "--set",
+        "webhook.settings.queue_by_default=true",
         "--set",
         "webhook.settings.denial_code=429",
     ],
@@ -101,7 +103,8 @@ def test_settings_are_named_as_the_components_name_them() -> None:
         "VRAMSHARE_TLS_SYNC_INTERVAL_S",
     }
     assert controller_fields - set(controller) == {"VRAMSHARE_KUBECONFIG"}
-    assert webhook["VRAMSHARE_POLICY"] == "binpack"
+    assert webhook["VRAMSHARE_POLICY"] == controller["VRAMSHARE_POLICY"] == "binpack"  # queued pods too
+    assert webhook["VRAMSHARE_QUEUE_BY_DEFAULT"] == "true"
     assert webhook["VRAMSHARE_DENIAL_CODE"] == "429"
     # Shared settings reach both components with one value.
     for key in variables(Accounting()):
@@ -221,8 +224,8 @@ def test_optional_objects_and_pdb() -> None:
     ("values", "message"),
     [
         (
-            ["--set", "webhook.settings.policy=pack"],
-            "at '/webhook/settings/policy': value must be one of 'spread', 'binpack'",
+            ["--set", "global.settings.policy=pack"],
+            "at '/global/settings/policy': value must be one of 'spread', 'binpack'",
         ),
         (["--set", "webhook.replicas=two"], "at '/webhook/replicas': got string, want integer"),
         (["--set", "webhook.colour=blue"], "at '/webhook': additional properties 'colour' not allowed"),
