@@ -58,7 +58,7 @@ def test_reservation_printer_columns_and_validation(cluster: LocalCluster, names
     }
     cluster.kubectl("create", "-f", "-", stdin=json.dumps(reservation))
     table = cluster.kubectl("get", "gpures", "-n", namespace).splitlines()
-    assert table[0].split() == ["NAME", "POD", "MIB", "NODE", "GPU", "INDEX", "PHASE", "AGE"]
+    assert table[0].split() == ["NAME", "POD", "MIB", "NODE", "GPU", "INDEX", "PHASE", "QUEUE", "AGE"]
     assert table[1].split()[:6] == ["r1", "task-1", "4096", "gpu-node-a", "GPU-1234", "1"]
 
     bad = json.loads(json.dumps(reservation))
