@@ -77,7 +77,7 @@ class Ledger(Protocol):
 def not_an_earlier_pass(
     existing: GpuReservation,
     *,
-    placement: Placement,
+    placement: Placement | None,
     facts: PodFacts,
     mib: int,
     user: str,
@@ -86,13 +86,17 @@ def not_an_earlier_pass(
 ) -> str | None:
     """Why the booking a pod's annotations point to is not this pod's own earlier pass (None if it is).
 
-    Everything compared is the reservation's own record, which only vramshare writes: a user who
-    copies another pod's vramshare.io/* annotations can match the placement, but not a booking that
-    is still unbound and untaken, younger than the window, made for the same pod name and size, by the
-    same user. `claim_reinvocation` then lets at most one pass take it up.
+    `placement` is what the annotations claim; None when they name a queue entry instead. Everything
+    compared is the reservation's own record, which only vramshare writes: a user who copies another
+    pod's vramshare.io/* annotations can match the placement, but not a booking that is still unbound
+    and untaken, younger than the window, made for the same pod name and size, by the same user.
+    `claim_reinvocation` then lets at most one pass take it up.
     """
     spec = existing.spec
-    if (spec.gpu_uuid, spec.gpu_index, spec.node_name) != (
+    if placement is None:
+        if spec.placed:
+            return "the reservation is placed; the annotations name no GPU"
+    elif (spec.gpu_uuid, spec.gpu_index, spec.node_name) != (
         placement.gpu_uuid,
         placement.gpu_index,
         placement.node,
@@ -102,7 +106,8 @@ def not_an_earlier_pass(
         return "the reservation was made for another pod or size"
     if spec.admitted_user != user:
         return "the reservation was made for another user"
-    if existing.phase is not ReservationPhase.RESERVED or existing.status.pod_uid:
+    waiting = ReservationPhase.RESERVED if placement is not None else ReservationPhase.QUEUED
+    if existing.phase is not waiting or existing.status.pod_uid:
         return "the reservation already belongs to a pod"
     if now - (existing.meta.created_at or 0.0) > window_s:
         return f"the reservation is older than {window_s:g} s"
@@ -232,18 +237,16 @@ class Admitter:
         details: dict[str, Any] = {"mib": mib}
         if facts.overwritten:
             details["overwritten"] = list(facts.overwritten)
-        earlier = await self._earlier_pass(request, facts, mib=mib, details=details)
-        if earlier is not None:
+        earlier = await self._earlier_pass(request, facts, mib=mib, details=details, queue=queue)
+        if isinstance(earlier, Placement):
             return Admit(
                 placement=earlier,
                 patch=placement_patch(pod, earlier),
                 reason=Reason.REINVOCATION,
                 details=details,
             )
-        if queue and facts.claimed_queue_entry is not None:
-            entry = await self._earlier_queue_pass(request, facts, mib=mib, details=details)
-            if entry is not None:
-                return self._queued(request, facts, entry=entry, mib=mib, details=details)
+        if earlier is not None:  # its queue entry
+            return self._queued(request, facts, entry=earlier, mib=mib, details=details)
         return await self._allocate(request, facts, mib=mib, details=details, queue=queue)
 
     def _queue_mode(self, namespace: str, facts: PodFacts) -> bool | Invalid:
@@ -264,34 +267,6 @@ class Admitter:
             return choices[label.strip().lower()]
         return self.settings.queue_by_default
 
-    async def _earlier_queue_pass(
-        self, request: rv.Request, facts: PodFacts, *, mib: int, details: dict[str, Any]
-    ) -> str | None:
-        """The queue entry an earlier pass of this same pod creation made, if the pod names a genuine
-        one (same checks as for a placement; see `not_an_earlier_pass`)."""
-        name = facts.claimed_queue_entry
-        assert name is not None
-        existing = await self.ledger.get_reservation(request.namespace, name)
-        why: str | None = None
-        if existing is None:
-            why = "the queue entry does not exist"
-        elif existing.phase is not ReservationPhase.QUEUED or existing.status.pod_uid:
-            why = "the queue entry already belongs to a pod"
-        elif (existing.spec.pod_name, existing.spec.memory_mib) != (facts.display_name, mib):
-            why = "the queue entry was made for another pod or size"
-        elif existing.spec.admitted_user != request.username:
-            why = "the queue entry was made for another user"
-        elif self.clock() - (existing.meta.created_at or 0.0) > self.settings.reinvocation_window_s:
-            why = f"the queue entry is older than {self.settings.reinvocation_window_s:g} s"
-        elif await self.ledger.pod_carries(request.namespace, name):
-            why = "a pod already carries the queue entry"
-        elif not await self.ledger.claim_reinvocation(existing, claimant=request.uid):
-            why = "the queue entry was already taken up by a reinvocation"
-        if why is not None:
-            details["queue_entry_not_honoured"] = why
-            return None
-        return name
-
     def _queued(
         self, request: rv.Request, facts: PodFacts, *, entry: str, mib: int, details: dict[str, Any]
     ) -> Queue:
@@ -307,17 +282,19 @@ class Admitter:
         )
 
     async def _earlier_pass(
-        self, request: rv.Request, facts: PodFacts, *, mib: int, details: dict[str, Any]
-    ) -> Placement | None:
-        """The placement of an earlier pass of this same pod creation, if the pod carries a genuine one.
+        self, request: rv.Request, facts: PodFacts, *, mib: int, details: dict[str, Any], queue: bool
+    ) -> Placement | str | None:
+        """The placement (or, in queue mode, the queue entry) of an earlier pass of this same pod
+        creation, if the pod carries a genuine one.
 
         The API server gives every call a new request UID, reinvocations included, so the earlier pass
         is recognised by its booking (see `not_an_earlier_pass`). Anything else is not honoured: the
         pod is decided afresh and its copied annotations are overwritten."""
         placement = facts.claimed_placement
-        if placement is None:
+        name = placement.reservation if placement is not None else facts.claimed_queue_entry
+        if name is None or (placement is None and not queue):
             return None
-        existing = await self.ledger.get_reservation(request.namespace, placement.reservation)
+        existing = await self.ledger.get_reservation(request.namespace, name)
         why = (
             "the reservation does not exist"
             if existing is None
@@ -339,7 +316,7 @@ class Admitter:
         if why is not None:
             details["placement_not_honoured"] = why
             return None
-        return placement
+        return placement if placement is not None else name
 
     async def _allocate(
         self, request: rv.Request, facts: PodFacts, *, mib: int, details: dict[str, Any], queue: bool = False

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from vramshare.kube.pods import QUEUE_GATE, affinity_on, pinned_nodes
+from vramshare.kube.pods import QUEUE_GATE, affinity_on, pinned_nodes, placement_annotations
 from vramshare.kube.resources import (
     ANNOTATION_GPU_INDEX,
     ANNOTATION_GPU_UUID,
@@ -140,8 +140,14 @@ def requested_device_resources(pod: Obj) -> list[str]:
 
 
 def _with_env(container: Obj, values: dict[str, str]) -> list[Obj]:
-    kept = [e for e in container.get("env") or [] if not (isinstance(e, dict) and e.get("name") in values)]
-    return kept + [{"name": k, "value": v} for k, v in values.items()]
+    return _with_env_entries(container, [{"name": k, "value": v} for k, v in values.items()])
+
+
+def _with_env_entries(container: Obj, entries: list[Obj]) -> list[Obj]:
+    """The container's env with `entries` replacing any of the same names (never duplicated)."""
+    names = {e["name"] for e in entries}
+    kept = [e for e in container.get("env") or [] if not (isinstance(e, dict) and e.get("name") in names)]
+    return kept + entries
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -177,47 +183,50 @@ def placement_patch(pod: Obj, placement: Placement) -> list[Operation]:
             "value": affinity_on(pod.get("spec", {}), placement.node),
         }
     )
-    ours = {
-        ANNOTATION_RESERVATION: placement.reservation,
-        ANNOTATION_GPU_UUID: placement.gpu_uuid,
-        ANNOTATION_GPU_INDEX: str(placement.gpu_index),
-        ANNOTATION_NODE: placement.node,
-    }
+    ours = placement_annotations(
+        reservation=placement.reservation,
+        gpu_uuid=placement.gpu_uuid,
+        gpu_index=placement.gpu_index,
+        node=placement.node,
+    )
+    return ops + _marking(pod, annotations=ours, reservation=placement.reservation)
+
+
+def _marking(pod: Obj, *, annotations: dict[str, str], reservation: str) -> list[Operation]:
+    """vramshare's annotations (replacing every vramshare.io/* one the pod has) and the reservation
+    label, by which the controller lists GPU pods."""
     kept = {k: v for k, v in pod_annotations(pod).items() if not k.startswith(ANNOTATION_PREFIX)}
-    ops.append({"op": "add", "path": pointer("metadata", "annotations"), "value": {**kept, **ours}})
     labels = pod.get("metadata", {}).get("labels")
     labels = {
         k: v
         for k, v in (labels if isinstance(labels, dict) else {}).items()
         if not k.startswith(ANNOTATION_PREFIX)
     }
-    ops.append(
+    return [
+        {"op": "add", "path": pointer("metadata", "annotations"), "value": {**kept, **annotations}},
         {
             "op": "add",
             "path": pointer("metadata", "labels"),
-            "value": {**labels, LABEL_RESERVATION: placement.reservation},
-        }
-    )
-    return ops
+            "value": {**labels, LABEL_RESERVATION: reservation},
+        },
+    ]
 
 
 def queue_patch(pod: Obj, *, reservation: str) -> list[Operation]:
     """The JSON Patch that makes `pod` wait in the queue: vramshare's scheduling gate, and an environment
     that the kubelet resolves from the pod's annotations when the container starts, after the
     controller has written the chosen GPU there and lifted the gate."""
-    ops: list[Operation] = []
-    gpu_from_annotation = {
-        "name": VISIBLE_DEVICES,
-        "valueFrom": {"fieldRef": {"fieldPath": f"metadata.annotations['{ANNOTATION_GPU_UUID}']"}},
-    }
-    for key, i, c in _containers(pod):
-        kept = [
-            e
-            for e in c.get("env") or []
-            if not (isinstance(e, dict) and e.get("name") in (VISIBLE_DEVICES, CUDA_DEVICES))
-        ]
-        env = [*kept, gpu_from_annotation, {"name": CUDA_DEVICES, "value": "0"}]
-        ops.append({"op": "add", "path": pointer("spec", key, i, "env"), "value": env})
+    env: list[Obj] = [
+        {
+            "name": VISIBLE_DEVICES,
+            "valueFrom": {"fieldRef": {"fieldPath": f"metadata.annotations['{ANNOTATION_GPU_UUID}']"}},
+        },
+        {"name": CUDA_DEVICES, "value": "0"},
+    ]
+    ops: list[Operation] = [
+        {"op": "add", "path": pointer("spec", key, i, "env"), "value": _with_env_entries(c, env)}
+        for key, i, c in _containers(pod)
+    ]
     gates = [
         g
         for g in pod.get("spec", {}).get("schedulingGates") or []
@@ -226,28 +235,7 @@ def queue_patch(pod: Obj, *, reservation: str) -> list[Operation]:
     ops.append(
         {"op": "add", "path": pointer("spec", "schedulingGates"), "value": [*gates, {"name": QUEUE_GATE}]}
     )
-    kept_annotations = {k: v for k, v in pod_annotations(pod).items() if not k.startswith(ANNOTATION_PREFIX)}
-    ops.append(
-        {
-            "op": "add",
-            "path": pointer("metadata", "annotations"),
-            "value": {**kept_annotations, ANNOTATION_RESERVATION: reservation},
-        }
-    )
-    labels = pod.get("metadata", {}).get("labels")
-    labels = {
-        k: v
-        for k, v in (labels if isinstance(labels, dict) else {}).items()
-        if not k.startswith(ANNOTATION_PREFIX)
-    }
-    ops.append(
-        {
-            "op": "add",
-            "path": pointer("metadata", "labels"),
-            "value": {**labels, LABEL_RESERVATION: reservation},
-        }
-    )
-    return ops
+    return ops + _marking(pod, annotations={ANNOTATION_RESERVATION: reservation}, reservation=reservation)
 
 
 def queued_entry_of(pod: Obj) -> str | None:

@@ -34,26 +34,10 @@ from vramshare.kube.client import ApiError, KubeClient, Obj
 from vramshare.kube.events import Event, Involved, post_event
 from vramshare.kube.ledger import CommitConflictError, KubeLedger
 from vramshare.kube.objects import GpuReservation
-from vramshare.kube.pods import gated, pinned_nodes, release_patch
-from vramshare.kube.resources import (
-    ANNOTATION_GPU_INDEX,
-    ANNOTATION_GPU_UUID,
-    ANNOTATION_NODE,
-    ANNOTATION_RESERVATION,
-    reservations_path,
-)
+from vramshare.kube.pods import gated, pinned_nodes, placement_annotations, release_patch
+from vramshare.kube.resources import reservations_path
 
 log = structlog.get_logger("vramshare.queue")
-
-
-def placement_annotations(res: GpuReservation) -> dict[str, str]:
-    spec = res.spec
-    return {
-        ANNOTATION_RESERVATION: res.name,
-        ANNOTATION_GPU_UUID: spec.gpu_uuid,
-        ANNOTATION_GPU_INDEX: str(spec.gpu_index),
-        ANNOTATION_NODE: spec.node_name,
-    }
 
 
 class QueueLoop:
@@ -177,8 +161,15 @@ class QueueLoop:
         path = f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}"
         for _ in range(3):
             try:
+                spec = res.spec
+                annotations = placement_annotations(
+                    reservation=res.name,
+                    gpu_uuid=spec.gpu_uuid,
+                    gpu_index=spec.gpu_index,
+                    node=spec.node_name,
+                )
                 await self.kube.merge_patch(
-                    path, release_patch(pod, annotations=placement_annotations(res), node=res.spec.node_name)
+                    path, release_patch(pod, annotations=annotations, node=spec.node_name)
                 )
                 return
             except ApiError as exc:

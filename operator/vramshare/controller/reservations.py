@@ -85,7 +85,11 @@ class Plan:
 
 def _event(res: GpuReservation, transition: Transition) -> Event | None:
     spec = res.spec
-    gpu = f"{spec.gpu_uuid} ({spec.node_name}, index {spec.gpu_index})"
+    gpu = (
+        f"{spec.gpu_uuid} ({spec.node_name}, index {spec.gpu_index})"
+        if spec.placed
+        else "no GPU yet (queued)"
+    )
     match transition.reason:
         case "PodBound":
             return Event(
@@ -118,7 +122,8 @@ def _event(res: GpuReservation, transition: Transition) -> Event | None:
             return Event(
                 type="Normal",
                 reason="GpuReleased",
-                message=f"Released {spec.memory_mib} MiB on {spec.gpu_uuid} ({transition.message})",
+                message=f"Released {spec.memory_mib} MiB on {spec.gpu_uuid or 'no GPU yet (queued)'} "
+                f"({transition.message})",
             )
         case _:
             return None

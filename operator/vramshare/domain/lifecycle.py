@@ -79,25 +79,11 @@ def next_phase(
                 reason="PodDeleted",
                 message="its pod was deleted while it waited; it left the queue",
             )
-        if age_s >= ttl_s:
-            return Transition(
-                phase=ReservationPhase.EXPIRED,
-                reason="PodNeverCreated",
-                message=f"no pod appeared within {ttl_s:g} s of admission (rejected after vramshare "
-                "queued it: a quota, a policy, a name already taken, or the API server gave up)",
-            )
-        return None
+        return _never_created(ttl_s, "queued") if age_s >= ttl_s else None
     if phase is ReservationPhase.RESERVED:
         if pod is PodState.ACTIVE:
             return Transition(phase=ReservationPhase.BOUND, reason="PodBound", message="its pod exists")
-        if age_s >= ttl_s:
-            return Transition(
-                phase=ReservationPhase.EXPIRED,
-                reason="PodNeverCreated",
-                message=f"no pod appeared within {ttl_s:g} s of admission (rejected after vramshare "
-                "admitted it: a quota, a policy, a name already taken, or the API server gave up)",
-            )
-        return None
+        return _never_created(ttl_s, "admitted") if age_s >= ttl_s else None
     if pod is PodState.ABSENT:
         return Transition(phase=ReservationPhase.RELEASED, reason="PodDeleted", message="its pod was deleted")
     if phase is ReservationPhase.BOUND and gpu_missing:
@@ -111,6 +97,15 @@ def next_phase(
             phase=ReservationPhase.BOUND, reason="GpuReturned", message="its GPU is reported by DCGM again"
         )
     return None
+
+
+def _never_created(ttl_s: float, done: str) -> Transition:
+    return Transition(
+        phase=ReservationPhase.EXPIRED,
+        reason="PodNeverCreated",
+        message=f"no pod appeared within {ttl_s:g} s of admission (rejected after vramshare {done} it: "
+        "a quota, a policy, a name already taken, or the API server gave up)",
+    )
 
 
 def due_for_cleanup(*, phase: ReservationPhase, finished_age_s: float, retention_s: float) -> bool:

@@ -105,9 +105,10 @@ def plan_queue(
     new_hold: Hold | None = None
     for w in queue_order(waiting):
         held = new_hold.gpu_uuid if new_hold is not None else None
+        request = AllocationRequest(mib=w.mib, namespace=w.namespace, pod=w.pod, nodes=w.nodes)
+        decision = None
         if max((r for u, r in rooms.items() if u != held), default=-1) >= w.mib:
             candidates = [g for g in gpus if g.uuid != held]
-            request = AllocationRequest(mib=w.mib, namespace=w.namespace, pod=w.pod, nodes=w.nodes)
             decision = choose(request, candidates, (), settings=settings, now=now, index=index)
             if isinstance(decision, Choice):
                 placements.append((w, decision))
@@ -130,9 +131,10 @@ def plan_queue(
                 continue
         left.append(w)
         if new_hold is None and any(could_ever_fit(w.mib, g, settings=settings) for g in gpus):
-            request = AllocationRequest(mib=w.mib, namespace=w.namespace, pod=w.pod, nodes=w.nodes)
-            verdicts = choose(request, gpus, (), settings=settings, now=now, index=index).verdicts
-            new_hold = _hold_for(w, verdicts, hold=hold, settings=settings, queue=queue, now=now)
+            # No hold yet, so `decision` (if any) judged every GPU: its verdicts serve the hold.
+            if decision is None:
+                decision = choose(request, gpus, (), settings=settings, now=now, index=index)
+            new_hold = _hold_for(w, decision.verdicts, hold=hold, settings=settings, queue=queue, now=now)
     return QueuePlan(
         placements=tuple(placements),
         hold=new_hold,

@@ -11,6 +11,13 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from vramshare.kube.resources import (
+    ANNOTATION_GPU_INDEX,
+    ANNOTATION_GPU_UUID,
+    ANNOTATION_NODE,
+    ANNOTATION_RESERVATION,
+)
+
 Obj = dict[str, Any]
 
 HOSTNAME_LABEL = "kubernetes.io/hostname"
@@ -73,6 +80,16 @@ def affinity_on(spec: Obj, node: str) -> Obj:
             term["matchExpressions"] = [*expressions, ours]
     required["nodeSelectorTerms"] = terms
     return affinity
+
+
+def placement_annotations(*, reservation: str, gpu_uuid: str, gpu_index: int, node: str) -> dict[str, str]:
+    """The annotations that record a pod's placement (its environment reads the GPU from them)."""
+    return {
+        ANNOTATION_RESERVATION: reservation,
+        ANNOTATION_GPU_UUID: gpu_uuid,
+        ANNOTATION_GPU_INDEX: str(gpu_index),
+        ANNOTATION_NODE: node,
+    }
 
 
 def gated(pod: Obj) -> bool:

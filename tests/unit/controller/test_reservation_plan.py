@@ -219,3 +219,14 @@ def test_a_queued_entry_whose_pod_was_deleted_leaves_the_queue() -> None:
     assert p.transition is not None
     assert (p.transition.phase, p.transition.reason) == (ReservationPhase.RELEASED, "PodDeleted")
     assert p.active_label == "false"
+
+
+def test_a_queue_entry_whose_pod_never_came_expires_with_an_event_that_names_no_gpu() -> None:
+    o = queued_obj(age=400)
+    p = make(o, None)
+    assert p.transition is not None
+    assert p.transition.reason == "PodNeverCreated"
+    assert p.event is not None
+    assert p.event_on_reservation
+    assert "of 4096 MiB on no GPU yet (queued)" in p.event.message
+    assert "vramshare queued it" in p.event.message

@@ -69,6 +69,9 @@ class MemoryLedger:
         self.objects.append(created)
         return created
 
+    async def enqueue(self, reservation: GpuReservation) -> GpuReservation:
+        return await self.commit(reservation=reservation, token="")
+
 
 def request(mib: str | None = "4096", *, uid: str = "u1", dry_run: bool = False, **meta: Any) -> rv.Request:
     annotations = {"gpu-mem-mb": mib} if mib is not None else {}
@@ -338,3 +341,67 @@ def test_settings_from_env_and_their_errors() -> None:
         }
     )
     assert managed.tls_name_list == ("vramshare-webhook.vramshare.svc", "127.0.0.1")
+
+
+async def test_queue_mode_admits_behind_the_gate_with_a_queued_entry() -> None:
+    ledger = MemoryLedger()
+    ledger.gpus = (gpu("GPU-a", total=16_384, used=14_000),)
+    review = await admitter(ledger).review(request("8000", annotations={"gpu-queue": "true"}))
+    assert review["response"]["allowed"]
+    assert "waits in the queue" in review["response"]["warnings"][0]
+    (entry,) = ledger.objects
+    assert entry.phase is ReservationPhase.QUEUED
+    assert not entry.spec.placed
+    ops = {op["path"]: op["value"] for op in patch_of(review)}
+    assert ops["/spec/schedulingGates"] == [{"name": "vramshare.io/gpu-memory"}]
+    env = {e["name"]: e for e in ops["/spec/containers/0/env"]}
+    assert env["NVIDIA_VISIBLE_DEVICES"]["valueFrom"]["fieldRef"]["fieldPath"] == (
+        "metadata.annotations['vramshare.io/gpu-uuid']"
+    )
+    assert ops["/metadata/labels"]["vramshare.io/reservation"] == entry.name
+
+
+async def test_queue_mode_from_the_namespace_label_and_the_annotation_wins() -> None:
+    ledger = MemoryLedger()
+    ledger.gpus = (gpu("GPU-a", total=16_384, used=14_000),)
+    queued_ns = Admitter(
+        settings=WebhookSettings(accounting=Accounting(safety_margin_mib=0)),
+        ledger=ledger,
+        metrics=WebhookMetrics(),
+        clock=lambda: NOW,
+        namespace_labels=lambda namespace: {"vramshare.io/queue": "true"},
+    )
+    assert (await queued_ns.review(request("8000")))["response"]["allowed"]
+    refused = await queued_ns.review(request("8000", uid="u2", annotations={"gpu-queue": "false"}))
+    assert refused["response"]["status"]["code"] == 403
+    assert len(ledger.objects) == 1
+
+
+async def test_queue_mode_refuses_what_no_gpu_could_ever_take_and_rejects_a_bad_value() -> None:
+    ledger = MemoryLedger()
+    too_big = await admitter(ledger, queue_by_default=True).review(request("20000"))
+    assert too_big["response"]["status"]["code"] == 403
+    bad = await admitter(ledger).review(request("1000", annotations={"gpu-queue": "soon"}))
+    assert bad["response"]["status"]["code"] == 400
+    assert bad["response"]["status"]["message"] == (
+        'annotation "gpu-queue" is "soon": accepted values are "true" (wait for a GPU) and "false" '
+        "(refuse when none fits now)"
+    )
+    assert ledger.objects == []
+
+
+async def test_a_reinvocation_of_a_queued_pod_keeps_its_one_entry() -> None:
+    ledger = MemoryLedger()
+    ledger.gpus = (gpu("GPU-a", total=16_384, used=14_000),)
+    webhook = admitter(ledger, queue_by_default=True)
+    first = await webhook.review(request("8000"))
+    (entry,) = ledger.objects
+    annotations = next(op["value"] for op in patch_of(first) if op["path"] == "/metadata/annotations")
+    again = await webhook.review(request("8000", uid="u2", annotations=annotations))
+    assert again["response"]["allowed"]
+    assert len(ledger.objects) == 1
+    labels = next(op["value"] for op in patch_of(again) if op["path"] == "/metadata/labels")
+    assert labels["vramshare.io/reservation"] == entry.name
+    # A third pass (a copy: the API server reinvokes once) gets an entry of its own.
+    await webhook.review(request("8000", uid="u3", annotations=annotations))
+    assert len(ledger.objects) == 2
