@@ -1,5 +1,7 @@
 """Queue mode on the real stack: API server, scheduler, kwok pods, fake exporter, Prometheus, the webhook
-over TLS and two controller replicas. A pod that does not fit waits behind a scheduling gate and is
+over TLS and two controller replicas, with the admission parts users run next to it: a labelling
+webhook and a sidecar injector after vramshare (so the API server reinvokes it) and a ResourceQuota
+that rejects a pod vramshare has queued. A pod that does not fit waits behind a scheduling gate and is
 placed when memory frees; its own control plane, since it fills every GPU."""
 
 from __future__ import annotations
@@ -16,12 +18,14 @@ from kubernetes import client, config
 
 from vramshare.kube.pods import QUEUE_GATE
 from vramshare.kube.resources import ANNOTATION_GPU_UUID, ANNOTATION_RESERVATION
+from vramshare_e2e.admission_parts import SIDECAR, start_mutating_webhook
 from vramshare_e2e.cluster import RUN_DURATION_ANNOTATION, LocalCluster, eventually
 from vramshare_e2e.components import start_controller, start_webhook, webhook_configuration
 
 pytestmark = pytest.mark.cluster
 
 NS = "queued"
+QUOTA_NS = "queued-quota"
 MARGIN = 512
 CONTROLLER_ENV = {
     "VRAMSHARE_POLL_INTERVAL_S": "1",
@@ -39,9 +43,30 @@ def stack() -> Iterator[LocalCluster]:
     with LocalCluster.start() as local:
         port = start_webhook(local, name="webhook", env={"VRAMSHARE_SETTLE_S": "2"})[1]
         local.apply_objects([webhook_configuration(local, ports={"q": port})])
-        local.kubectl("create", "namespace", NS)
-        # Queue mode by namespace label; the webhook shard by the harness's label.
-        local.kubectl("label", "namespace", NS, "vramshare-e2e/shard=q", "vramshare.io/queue=true")
+        start_mutating_webhook(local, mode="label")
+        start_mutating_webhook(local, mode="sidecar")
+        for ns in (NS, QUOTA_NS):
+            local.kubectl("create", "namespace", ns)
+            # Queue mode by namespace label; the webhook shard and the other webhooks by the harness's.
+            local.kubectl(
+                "label",
+                "namespace",
+                ns,
+                "vramshare-e2e/shard=q",
+                "vramshare.io/queue=true",
+                "e2e.vramshare.io/label=on",
+                "e2e.vramshare.io/sidecar=on",
+            )
+        local.apply_objects(
+            [
+                {
+                    "apiVersion": "v1",
+                    "kind": "ResourceQuota",
+                    "metadata": {"name": "no-pods", "namespace": QUOTA_NS},
+                    "spec": {"hard": {"pods": "0"}},
+                }
+            ]
+        )
         start_controller(local, name="controller-1", env=CONTROLLER_ENV)
         start_controller(local, name="controller-2", env=CONTROLLER_ENV)
         yield local
@@ -71,8 +96,8 @@ def gpu_pod(name: str, mib: int, *, run: str | None = None, queue: str | None = 
     )
 
 
-def reservations(stack: LocalCluster) -> dict[str, dict[str, Any]]:
-    items = json.loads(stack.kubectl("get", "gpureservations", "-n", NS, "-o", "json"))["items"]
+def reservations(stack: LocalCluster, namespace: str = NS) -> dict[str, dict[str, Any]]:
+    items = json.loads(stack.kubectl("get", "gpureservations", "-n", namespace, "-o", "json"))["items"]
     return {r["metadata"]["name"]: r for r in items}
 
 
@@ -101,11 +126,17 @@ def test_a_queued_pod_waits_gated_and_is_placed_within_seconds_of_memory_freeing
     entry = waiter.metadata.annotations[ANNOTATION_RESERVATION]
     assert QUEUE_GATE in gates(core, "waiter")
     assert ANNOTATION_GPU_UUID not in waiter.metadata.annotations
-    env = {e.name: e for e in waiter.spec.containers[0].env}
-    assert env["NVIDIA_VISIBLE_DEVICES"].value_from.field_ref.field_path == (
-        f"metadata.annotations['{ANNOTATION_GPU_UUID}']"
-    )
-    assert env["CUDA_VISIBLE_DEVICES"].value == "0"
+    # Every container, the injected sidecar too (vramshare was reinvoked after the injector), reads
+    # the GPU from the annotation the controller writes when it places the pod.
+    assert [c.name for c in waiter.spec.containers] == ["base", SIDECAR]
+    for container in waiter.spec.containers:
+        env = {e.name: e for e in container.env}
+        assert env["NVIDIA_VISIBLE_DEVICES"].value_from.field_ref.field_path == (
+            f"metadata.annotations['{ANNOTATION_GPU_UUID}']"
+        )
+        assert env["CUDA_VISIBLE_DEVICES"].value == "0"
+    assert waiter.metadata.labels["e2e.vramshare.io/injected"] == "yes"
+    assert [r["spec"]["podName"] for r in reservations(stack).values()].count("waiter") == 1
     queued = eventually(
         lambda: (r := reservations(stack).get(entry)) and r.get("status", {}).get("queuePosition") == 1 and r,
         what="the entry Queued at position 1",
@@ -270,3 +301,29 @@ def test_fifty_queued_pods_over_a_controller_failover_are_placed_once_without_ov
     for uuid, mib in worst.items():
         assert mib <= caps[uuid], f"{uuid} booked {mib} MiB of {caps[uuid]}"
     print(f"\npeak bookings per GPU: {dict(worst)} (capacity {caps})")
+
+
+def test_a_queued_pod_that_a_quota_rejects_leaves_an_entry_that_expires(
+    stack: LocalCluster, core: client.CoreV1Api
+) -> None:
+    fill_every_gpu(stack, used=True)
+    try:
+        eventually(lambda: refused_now(core), what="GPUs seen full", timeout_s=30)
+        with pytest.raises(client.ApiException) as rejected:
+            core.create_namespaced_pod(QUOTA_NS, gpu_pod("over-quota", 4096))
+        assert rejected.value.status == 403
+        assert "exceeded quota" in rejected.value.body
+        (entry,) = reservations(stack, QUOTA_NS).values()  # vramshare queued it before the quota said no
+        expired = eventually(
+            lambda: (
+                (r := reservations(stack, QUOTA_NS)[entry["metadata"]["name"]])
+                and phase(r) == "Expired"
+                and r
+            ),
+            what="the orphaned entry Expired",
+            timeout_s=30,
+        )
+        assert expired["status"]["reason"] == "PodNeverCreated"
+        assert "gpuUUID" not in expired["spec"]  # never placed: no memory was booked for it
+    finally:
+        fill_every_gpu(stack, used=False)
