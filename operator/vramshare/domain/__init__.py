@@ -15,6 +15,14 @@ from vramshare.domain.allocation import (
     choose,
 )
 from vramshare.domain.bookings import LedgerIndex
+from vramshare.domain.fairness import (
+    FairnessSettings,
+    ReleaseLog,
+    closest_to_fitting,
+    could_ever_fit,
+    gpu_to_hold,
+    retry_after_s,
+)
 from vramshare.domain.headroom import Headroom, headroom, is_unseen
 from vramshare.domain.lifecycle import (
     PodSighting,
@@ -26,7 +34,7 @@ from vramshare.domain.lifecycle import (
 )
 from vramshare.domain.messages import describe_verdict, refusal_message
 from vramshare.domain.models import AllocationRequest, Gpu, Reservation, ReservationPhase
-from vramshare.domain.queue import Hold, QueuePlan, QueueSettings, Waiting, could_ever_fit, plan_queue
+from vramshare.domain.queue import Hold, QueuePlan, QueueSettings, Waiting, plan_queue
 from vramshare.domain.request import (
     DEFAULT_ANNOTATION,
     DEFAULT_MAX_MIB,
@@ -42,6 +50,7 @@ __all__ = [
     "AllocationSettings",
     "Choice",
     "Exclusion",
+    "FairnessSettings",
     "Gpu",
     "GpuVerdict",
     "Headroom",
@@ -54,20 +63,24 @@ __all__ = [
     "QueuePlan",
     "QueueSettings",
     "Refusal",
+    "ReleaseLog",
     "Reservation",
     "ReservationPhase",
     "StaleGpuMode",
     "Transition",
     "Waiting",
     "choose",
+    "closest_to_fitting",
     "could_ever_fit",
     "describe_verdict",
     "due_for_cleanup",
     "genuine_pod",
+    "gpu_to_hold",
     "headroom",
     "is_unseen",
     "next_phase",
     "parse_memory_request",
     "plan_queue",
     "refusal_message",
+    "retry_after_s",
 ]

@@ -7,7 +7,7 @@ by the caller; the webhook commits the result atomically afterwards.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -95,6 +95,7 @@ def _judge(
     *,
     settings: AllocationSettings,
     now: float,
+    credit: int = 0,
 ) -> GpuVerdict:
     age = max(0.0, now - gpu.sampled_at)
 
@@ -112,6 +113,8 @@ def _judge(
     if stale and accounting.stale_mode is StaleGpuMode.REFUSE:
         return verdict(Exclusion.STALE)
     reserved, unseen = booked(gpu)
+    # Memory held for this very request (a hold has no pod, so it is unseen as well as reserved).
+    reserved, unseen = reserved - credit, unseen - credit
     room = headroom_of(
         gpu,
         reserved_mib=reserved,
@@ -143,6 +146,7 @@ def choose(
     index: LedgerIndex | None = None,
     prefer: str = "",
     avoid: Collection[str] = (),
+    credit: Mapping[str, int] | None = None,
 ) -> Choice | Refusal:
     """Pick a GPU for `request` by `settings.policy`, or refuse with a verdict for every GPU.
 
@@ -151,8 +155,10 @@ def choose(
     (the deciding replica's name) ranks highest, then by node name, index and UUID. Replicas that
     decide at once then spread over near-equal GPUs instead of all taking the same one and
     conflicting at commit. Tied GPUs in `avoid` (where this request's last commit conflicted) come
-    last. The same inputs, `prefer` and `avoid` always give the same answer.
+    last. `credit` (GPU UUID -> MiB) is memory held for this request on those GPUs: it counts as
+    free for it. The same inputs, `prefer` and `avoid` always give the same answer.
     """
+    credit = credit or {}
     settle_s = settings.accounting.settle_s
     if index is not None:
 
@@ -170,7 +176,8 @@ def choose(
             return booked(gpu, by_gpu.get(gpu.uuid, []), settle_s=settle_s)
 
     verdicts = tuple(
-        _judge(gpu, request, booked_on, settings=settings, now=now) for gpu in sorted(gpus, key=_gpu_order)
+        _judge(gpu, request, booked_on, settings=settings, now=now, credit=credit.get(gpu.uuid, 0))
+        for gpu in sorted(gpus, key=_gpu_order)
     )
     fitting = [v for v in verdicts if v.fits and v.headroom is not None]
     if not fitting:

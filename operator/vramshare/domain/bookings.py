@@ -32,6 +32,8 @@ class LedgerIndex:
         self._members: dict[str, Reservation] = {}
         self._sums: dict[str, _GpuSums] = {}
         self._holding_pods: dict[tuple[str, str], int] = {}
+        self._holds: dict[str, dict[str, Reservation]] = {}
+        """Held-for key -> the holds kept for it, by reservation key."""
 
     def __len__(self) -> int:
         return len(self._members)
@@ -51,6 +53,8 @@ class LedgerIndex:
         if reservation.phase in (ReservationPhase.BOUND, ReservationPhase.LOST):
             pod = (reservation.namespace, reservation.pod)
             self._holding_pods[pod] = self._holding_pods.get(pod, 0) + 1
+        if reservation.held_for:
+            self._holds.setdefault(reservation.held_for, {})[key] = reservation
 
     def _remove(self, key: str) -> None:
         old = self._members.pop(key, None)
@@ -62,6 +66,11 @@ class LedgerIndex:
             sums.not_started_mib -= old.mib
         else:
             sums.recent.pop(key, None)
+        if old.held_for:
+            holds = self._holds[old.held_for]
+            del holds[key]
+            if not holds:
+                del self._holds[old.held_for]
         if old.phase in (ReservationPhase.BOUND, ReservationPhase.LOST):
             pod = (old.namespace, old.pod)
             left = self._holding_pods[pod] - 1
@@ -91,6 +100,17 @@ class LedgerIndex:
     def holds_pod(self, namespace: str, pod: str) -> bool:
         """Whether a pod of that name holds a Bound (or Lost) booking: it exists."""
         return (namespace, pod) in self._holding_pods
+
+    def get(self, key: str) -> Reservation | None:
+        return self._members.get(key)
+
+    def holds_for(self, held_for: str) -> list[Reservation]:
+        """The holds kept for the task with that key."""
+        return list(self._holds.get(held_for, {}).values())
+
+    def held_gpus(self) -> set[str]:
+        """GPUs that hold memory for some task."""
+        return {r.gpu_uuid for holds in self._holds.values() for r in holds.values()}
 
     def reservations(self) -> list[Reservation]:
         return list(self._members.values())

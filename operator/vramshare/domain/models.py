@@ -19,11 +19,17 @@ class ReservationPhase(StrEnum):
     RELEASED = "Released"  # its pod finished or was deleted
     EXPIRED = "Expired"  # no pod appeared within the TTL
     LOST = "Lost"  # its GPU is missing from the inventory while its pod still runs: still booked
+    HELD = "Held"  # memory kept on one GPU for a refused large request's next try (no pod)
 
     @property
     def is_active(self) -> bool:
         """An active reservation holds memory on its GPU."""
-        return self in (ReservationPhase.RESERVED, ReservationPhase.BOUND, ReservationPhase.LOST)
+        return self in (
+            ReservationPhase.RESERVED,
+            ReservationPhase.BOUND,
+            ReservationPhase.LOST,
+            ReservationPhase.HELD,
+        )
 
     @property
     def is_open(self) -> bool:
@@ -80,6 +86,8 @@ class Reservation:
     pod_running_since: float | None = None
     """When its pod's containers started; None while the pod has not run."""
     finished_at: float | None = None
+    held_for: str = ""
+    """For a hold (phase Held): the key of the task it is kept for (see `vramshare.domain.fairness`)."""
 
     @property
     def is_active(self) -> bool:

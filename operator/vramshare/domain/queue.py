@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from vramshare.domain.allocation import AllocationSettings, Choice, GpuVerdict, choose
 from vramshare.domain.bookings import LedgerIndex
-from vramshare.domain.headroom import headroom_of
+from vramshare.domain.fairness import closest_to_fitting, could_ever_fit
 from vramshare.domain.models import AllocationRequest, Gpu, Reservation, ReservationPhase
 
 
@@ -66,18 +66,6 @@ class QueuePlan:
 
 def queue_order(waiting: Iterable[Waiting]) -> list[Waiting]:
     return sorted(waiting, key=lambda w: (w.queued_at, w.key))
-
-
-def could_ever_fit(mib: int, gpu: Gpu, *, settings: AllocationSettings) -> bool:
-    """Whether `gpu`, empty, would have room for `mib`."""
-    empty = headroom_of(
-        gpu,
-        reserved_mib=0,
-        unseen_mib=0,
-        safety_margin_mib=settings.accounting.safety_margin_mib,
-        ledger_only=True,
-    )
-    return not gpu.missing and gpu.healthy and empty.headroom_mib >= mib
 
 
 def plan_queue(
@@ -151,21 +139,19 @@ def _hold_for(
     queue: QueueSettings,
     now: float,
 ) -> Hold | None:
-    """The head's hold: the one it has while it lasts, else the GPU closest to fitting it."""
-    rooms: dict[str, tuple[int, Gpu]] = {}
-    for v in verdicts:
-        gpu, room = v.gpu, v.headroom
-        if room is None or not could_ever_fit(head.mib, gpu, settings=settings):
-            continue
-        if head.nodes is not None and gpu.node not in head.nodes:
-            continue
-        rooms[gpu.uuid] = (room.headroom_mib, gpu)
-    if hold is not None and hold.key == head.key and hold.gpu_uuid in rooms:
+    """The head's hold: the one it has while it lasts, else the GPU closest to fitting it (another
+    one than the GPU whose hold has lapsed, if there is one)."""
+    verdicts = list(verdicts)
+    closest = closest_to_fitting(head.mib, verdicts, settings=settings, nodes=head.nodes)
+    if hold is not None and hold.key == head.key:
         if now - hold.since < queue.hold_limit_s:
-            return hold
-        if len(rooms) > 1:
-            del rooms[hold.gpu_uuid]  # it had its time: let the next closest GPU collect for the head
-    if not rooms:
-        return None
-    _, gpu = min(rooms.values(), key=lambda t: (-t[0], t[1].node, t[1].index, t[1].uuid))
-    return Hold(key=head.key, gpu_uuid=gpu.uuid, since=now)
+            still = [v for v in verdicts if v.gpu.uuid == hold.gpu_uuid]
+            if closest_to_fitting(head.mib, still, settings=settings, nodes=head.nodes) is not None:
+                return hold
+        else:
+            # It had its time: let the next closest GPU collect for the head.
+            other = closest_to_fitting(
+                head.mib, verdicts, settings=settings, nodes=head.nodes, exclude=(hold.gpu_uuid,)
+            )
+            closest = other or closest
+    return Hold(key=head.key, gpu_uuid=closest.uuid, since=now) if closest is not None else None
