@@ -45,15 +45,19 @@ from vramshare.domain import (
     AllocationRequest,
     AllocationSettings,
     Choice,
+    FairnessSettings,
     Gpu,
     Hold,
     Policy,
     QueueSettings,
+    ReleaseLog,
     Reservation,
     ReservationPhase,
     Waiting,
     choose,
+    gpu_to_hold,
     plan_queue,
+    retry_after_s,
 )
 
 
@@ -67,7 +71,9 @@ class Model:
     time_slices: int = 4
     safety_margin_mib: int = 512
     settle_s: float = 60.0  # vramshare: covers ramp + scrape lag
-    hold_limit_s: float = 900.0  # vramshare-queue: the head's hold on one GPU
+    hold_limit_s: float = 900.0  # vramshare-queue: the head's hold on one GPU; refuse mode's holds
+    hold_min_mib: int = 10_240  # refuse mode: refused requests this large get a hold...
+    max_holds: int = 1  # ...at most this many at once
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -179,6 +185,13 @@ class Design:
     def place(self, job: Job, cards: list[Card], now: float) -> Card | None:
         raise NotImplementedError
 
+    def released(self, card: Card, job: Job, now: float) -> None:
+        """A job ended on `card` (designs that learn from releases listen)."""
+
+    def retry_after_s(self, job: Job, now: float) -> float | None:
+        """The Retry-After this design answers a refused `job` with (None: the client's fixed one)."""
+        return None
+
     def admit(self, due: list[Job], cards: list[Card], now: float) -> list[tuple[Job, Card]]:
         """Decide the due jobs, oldest first; each placement counts for the next."""
         placed = []
@@ -254,6 +267,76 @@ def vramshare_view(cards: list[Card], now: float, model: Model) -> tuple[list[Gp
             for r in c.running
         ]
     return gpus, reservations
+
+
+class VramshareFair(Vramshare):
+    """Refuse mode with holds: a refused large request keeps memory on the GPU closest to fitting it
+    for its next try (`gpu_to_hold`, credited by `choose`; at most `max_holds` at once), and 429
+    answers carry a Retry-After from the release rate (`retry_after_s`), as the webhook does."""
+
+    def __init__(self, model: Model, policy: Policy) -> None:
+        super().__init__(model, policy)
+        self.name = f"vramshare-{policy.value}-fair"
+        self.fairness = FairnessSettings(hold_min_mib=model.hold_min_mib, hold_limit_s=model.hold_limit_s)
+        self.holds: dict[str, tuple[str, float, int]] = {}
+        """Job -> (GPU held for it, since, MiB)."""
+        self.deficits: dict[str, int] = {}
+        self.releases = ReleaseLog()
+
+    def released(self, card: Card, job: Job, now: float) -> None:
+        self.releases.add(at=now, gpu_uuid=card.uuid, mib=job.asked_mib)
+
+    def retry_after_s(self, job: Job, now: float) -> float | None:
+        held = self.holds.get(job.name)
+        return retry_after_s(
+            deficit_mib=self.deficits.get(job.name, job.asked_mib),
+            rate_mib_per_s=self.releases.rate_mib_per_s(now=now, gpu_uuid=held[0] if held else None),
+            floor_s=5,
+            ceiling_s=int(CLIENTS["429"].retry_after_s),
+        )
+
+    def place(self, job: Job, cards: list[Card], now: float) -> Card | None:
+        self.holds = {k: h for k, h in self.holds.items() if now - h[1] < self.fairness.hold_limit_s}
+        gpus, reservations = vramshare_view(cards, now, self.model)
+        reservations += [
+            Reservation(
+                name=f"hold-{name}",
+                namespace="sim",
+                pod=name,
+                mib=mib,
+                node="",
+                gpu_uuid=uuid,
+                gpu_index=0,
+                phase=ReservationPhase.HELD,
+                reserved_at=since,
+                held_for=name,
+            )
+            for name, (uuid, since, mib) in self.holds.items()
+        ]
+        own = self.holds.get(job.name)
+        decision = choose(
+            AllocationRequest(mib=job.asked_mib, namespace="sim", pod=job.name),
+            gpus,
+            reservations,
+            settings=self.settings,
+            now=now,
+            credit={own[0]: job.asked_mib} if own else None,
+        )
+        if isinstance(decision, Choice):
+            self.holds.pop(job.name, None)
+            return next(c for c in cards if c.uuid == decision.gpu.uuid)
+        best = decision.best_headroom_mib
+        self.deficits[job.name] = job.asked_mib - (best if best is not None else 0)
+        if own is None and len(self.holds) < self.model.max_holds:
+            gpu = gpu_to_hold(
+                decision,
+                held={uuid for uuid, _, _ in self.holds.values()},
+                settings=self.settings,
+                fairness=self.fairness,
+            )
+            if gpu is not None:
+                self.holds[job.name] = (gpu.uuid, now, job.asked_mib)
+        return None
 
 
 class VramshareQueue(Design):
@@ -411,6 +494,7 @@ def simulate(
             finished = [r for r in c.running if now - r.started_s >= r.job.duration_s]
             for r in finished:
                 c.running.remove(r)
+                design.released(c, r.job, now)
                 done += 1
         # DCGM takes a sample every scrape interval.
         if now >= next_sample:
@@ -432,7 +516,8 @@ def simulate(
                 refusals += 1
                 p.attempts += 1
                 if p.attempts < client.attempts_per_try:
-                    p.due_s = now + client.retry_after_s
+                    hint = design.retry_after_s(p.job, now)
+                    p.due_s = now + (client.retry_after_s if hint is None else hint)
                 else:  # the try fails; Airflow starts the next one after retry_delay
                     tries += 1
                     p.attempts = 0
@@ -491,6 +576,8 @@ def runs(model: Model) -> list[tuple[str, Design, Client | None]]:
     ]
     for key, client in CLIENTS.items():
         rows.append((f"vramshare-binpack/{key}", Vramshare(model, Policy.BINPACK), client))
+    for key, client in CLIENTS.items():
+        rows.append((f"vramshare-binpack-fair/{key}", VramshareFair(model, Policy.BINPACK), client))
     rows.append(("vramshare-spread/403-60s", Vramshare(model, Policy.SPREAD), CLIENTS["403-60s"]))
     rows += [
         ("kaapana-like", KaapanaLike(model), CLIENTS["403-60s"]),

@@ -19,12 +19,17 @@ import structlog
 from vramshare.domain import (
     AllocationRequest,
     Choice,
+    Gpu,
     InvalidRequestError,
+    Refusal,
+    Reservation,
     ReservationPhase,
     choose,
     could_ever_fit,
+    gpu_to_hold,
     parse_memory_request,
     refusal_message,
+    retry_after_s,
 )
 from vramshare.kube.ledger import CommitConflictError, Snapshot
 from vramshare.kube.objects import GpuReservation
@@ -72,6 +77,8 @@ class Ledger(Protocol):
         self, *, reservation: GpuReservation, token: str, live: bool = False
     ) -> GpuReservation: ...
     async def enqueue(self, reservation: GpuReservation) -> GpuReservation: ...
+    async def withdraw_hold(self, namespace: str, name: str) -> None: ...
+    def release_rate(self, gpu_uuid: str | None = None) -> float: ...
 
 
 def not_an_earlier_pass(
@@ -133,6 +140,19 @@ def _holds_booking(snapshot: Snapshot, namespace: str, pod: str) -> bool:
         and r.phase in (ReservationPhase.BOUND, ReservationPhase.LOST)
         for r in snapshot.reservations
     )
+
+
+def _holds_of(snapshot: Snapshot, task_key: str) -> list[Reservation]:
+    """The memory held for that task (by an earlier refusal of it)."""
+    if snapshot.index is not None:
+        return snapshot.index.holds_for(task_key)
+    return [r for r in snapshot.reservations if r.is_active and r.held_for == task_key]
+
+
+def _held_gpus(snapshot: Snapshot) -> set[str]:
+    if snapshot.index is not None:
+        return snapshot.index.held_gpus()
+    return {r.gpu_uuid for r in snapshot.reservations if r.is_active and r.held_for}
 
 
 def _logged_name(pod: dict[str, Any]) -> str:
@@ -208,7 +228,10 @@ class Admitter:
         if problem is not None:
             return Invalid(reason=Reason.MALFORMED_POD, message=f"not a valid pod: {problem}")
         facts = read_pod(
-            pod, annotation=self.settings.annotation, queue_annotation=self.settings.queue_annotation
+            pod,
+            annotation=self.settings.annotation,
+            queue_annotation=self.settings.queue_annotation,
+            namespace=request.namespace,
         )
         if facts.memory_request is None:
             if self.settings.hide_gpus and not facts.device_resources:
@@ -368,28 +391,26 @@ class Admitter:
                     message=f'pods "{request.name}" already exists in namespace {request.namespace} and '
                     "holds a GPU reservation; vramshare books nothing for a pod that cannot be created"
                 )
-        decision = choose(
-            alloc,
-            snapshot.gpus,
-            snapshot.reservations,
-            settings=self.settings.allocation,
-            now=self.clock(),
-            index=snapshot.index,
-            prefer=self.settings.identity,
-            avoid=avoid,
-        )
-        if not isinstance(decision, Choice):  # refuse only on a consistent view
-            snapshot = await self.ledger.snapshot(fresh=True)
-            decision = choose(
+
+        def decide(view: Snapshot) -> Choice | Refusal:
+            # Memory held for this task's next try (an earlier refusal of it) counts as its own.
+            holds = _holds_of(view, facts.task_key)
+            return choose(
                 alloc,
-                snapshot.gpus,
-                snapshot.reservations,
+                view.gpus,
+                view.reservations,
                 settings=self.settings.allocation,
                 now=self.clock(),
-                index=snapshot.index,
+                index=view.index,
                 prefer=self.settings.identity,
                 avoid=avoid,
+                credit={h.gpu_uuid: h.mib for h in holds},
             )
+
+        decision = decide(snapshot)
+        if not isinstance(decision, Choice):  # refuse only on a consistent view
+            snapshot = await self.ledger.snapshot(fresh=True)
+            decision = decide(snapshot)
         if not isinstance(decision, Choice) and queue:
             usable = [
                 g
@@ -400,14 +421,7 @@ class Admitter:
             if usable:  # it can wait for one of these; a request none could ever take is refused
                 return await self._enqueue(request, facts, mib=alloc.mib, details=details)
         if not isinstance(decision, Choice):
-            message = refusal_message(
-                decision,
-                max_sample_age_s=self.settings.accounting.max_sample_age_s,
-                retry_hint=self.settings.retry_hint,
-            )
-            return Refuse(
-                message=message, details={**details, "best_headroom_mib": decision.best_headroom_mib}
-            )
+            return await self._refuse(request, facts, decision, snapshot=snapshot, details=details)
         gpu = decision.gpu
         name = reservation_name(request.object)
         placement = Placement(reservation=name, gpu_uuid=gpu.uuid, gpu_index=gpu.index, node=gpu.node)
@@ -432,7 +446,85 @@ class Admitter:
             return _Conflicted(gpu_uuid=gpu.uuid)
         finally:
             self.metrics.commit_seconds.observe(time.perf_counter() - committing)
+        for hold in _holds_of(snapshot, facts.task_key):  # its task is in: the held memory is its own now
+            await self.ledger.withdraw_hold(hold.namespace, hold.name)
+            admitted["hold_used"] = hold.gpu_uuid
         return Admit(placement=placement, patch=patch, reason=Reason.FITS, details=admitted)
+
+    async def _refuse(
+        self,
+        request: rv.Request,
+        facts: PodFacts,
+        refusal: Refusal,
+        *,
+        snapshot: Snapshot,
+        details: dict[str, Any],
+    ) -> Refuse:
+        """Refuse, keep memory for the task's next try where fairness asks for it (see
+        `vramshare.domain.fairness`), and say when to retry from how fast memory frees lately."""
+        holds = _holds_of(snapshot, facts.task_key)
+        note = ""
+        if holds:
+            held = holds[0]
+            note = f" GPU {held.gpu_uuid} keeps the memory that frees on it for this task's next try."
+        elif not request.dry_run:
+            held_gpus = _held_gpus(snapshot)
+            gpu = (
+                gpu_to_hold(
+                    refusal,
+                    held=held_gpus,
+                    settings=self.settings.allocation,
+                    fairness=self.settings.fairness,
+                )
+                if len(held_gpus) < self.settings.max_holds
+                else None
+            )
+            if gpu is not None and await self._hold(
+                request, facts, gpu=gpu, mib=refusal.request.mib, snapshot=snapshot
+            ):
+                note = (
+                    f" GPU {gpu.label} now keeps the memory that frees on it for this task, for up to "
+                    f"{self.settings.hold_limit_s:g} s: its next try is admitted there as soon as it "
+                    "has room."
+                )
+                details = {**details, "hold": gpu.uuid}
+        best = refusal.best_headroom_mib
+        retry_after = retry_after_s(
+            deficit_mib=refusal.request.mib - max(best or 0, 0),
+            rate_mib_per_s=self.ledger.release_rate(holds[0].gpu_uuid if holds else None),
+            floor_s=self.settings.retry_after_min_s,
+            ceiling_s=self.settings.retry_after_s,
+        )
+        message = refusal_message(
+            refusal,
+            max_sample_age_s=self.settings.accounting.max_sample_age_s,
+            retry_hint=self.settings.retry_hint_after(retry_after),
+        )
+        return Refuse(
+            message=message + note,
+            details={**details, "best_headroom_mib": best},
+            retry_after_s=retry_after,
+        )
+
+    async def _hold(
+        self, request: rv.Request, facts: PodFacts, *, gpu: Gpu, mib: int, snapshot: Snapshot
+    ) -> bool:
+        """Book `gpu` for the refused task's next try; False when another commit got there first."""
+        hold = GpuReservation.new(
+            name=f"hold-{reservation_name(request.object)}",
+            namespace=request.namespace,
+            pod=facts.task,
+            mib=mib,
+            gpu=gpu,
+            admission_uid=request.uid,
+            user=request.username,
+            held_for=facts.task_key,
+        )
+        try:
+            await self.ledger.commit(reservation=hold, token=snapshot.tokens[gpu.uuid], live=snapshot.live)
+        except CommitConflictError:
+            return False
+        return True
 
     async def _enqueue(
         self, request: rv.Request, facts: PodFacts, *, mib: int, details: dict[str, Any]

@@ -97,6 +97,8 @@ class Refuse:
 
     message: str
     details: Mapping[str, Any] = field(default_factory=dict)
+    retry_after_s: int | None = None
+    """With 429: when memory is expected to free (None: the configured Retry-After)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -179,8 +181,9 @@ def answer(decision: Decision, *, uid: str, settings: WebhookSettings) -> Answer
             | Late(message=message, details=details)
         ):
             why = {Refuse: Reason.NO_GPU_FITS, Contention: Reason.CONTENTION, Late: Reason.DEADLINE}
+            after = decision.retry_after_s if isinstance(decision, Refuse) else None
             return Answer(
-                review=_deny(uid, message, settings),
+                review=_deny(uid, message, settings, retry_after_s=after),
                 outcome=Outcome.REFUSED,
                 reason=why[type(decision)],
                 log_fields=details,
@@ -198,12 +201,14 @@ def answer(decision: Decision, *, uid: str, settings: WebhookSettings) -> Answer
             )
 
 
-def _deny(uid: str, message: str, settings: WebhookSettings) -> rv.Review:
+def _deny(
+    uid: str, message: str, settings: WebhookSettings, *, retry_after_s: int | None = None
+) -> rv.Review:
     code = settings.denial_code
     return rv.denied(
         uid,
         message,
         code=code,
         reason="TooManyRequests" if code == 429 else "Forbidden",
-        retry_after_s=settings.retry_after_s if code == 429 else None,
+        retry_after_s=(retry_after_s or settings.retry_after_s) if code == 429 else None,
     )

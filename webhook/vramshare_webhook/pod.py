@@ -10,6 +10,7 @@ operation each, which is simpler to get right than editing entries in place.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -276,12 +277,38 @@ class PodFacts:
     """The queue entry they claim instead (an earlier pass in queue mode, or copied)."""
     queue_request: str | None
     """The raw value of the queue annotation; None when the pod does not carry it."""
+    task: str = ""
+    """The task the pod runs, the same across its Airflow tries (a hold is kept for it)."""
+    task_key: str = ""
+    """`task` with its namespace, hashed to fit a label value."""
     overwritten: tuple[str, ...]
     """What the pod sets that only vramshare may set; a placement patch replaces it."""
 
 
-def read_pod(pod: Obj, *, annotation: str, queue_annotation: str = "gpu-queue") -> PodFacts:
+AIRFLOW_TASK_LABELS = ("dag_id", "task_id", "run_id", "map_index")
+"""Labels Airflow puts on the pods of the KubernetesPodOperator and the KubernetesExecutor: together
+they name one task instance, whichever try the pod is for."""
+
+
+def task_of(pod: Obj, *, namespace: str) -> tuple[str, str]:
+    """(the task the pod runs, its key): from Airflow's labels when present, else the pod's name."""
+    labels = pod.get("metadata", {}).get("labels")
+    labels = labels if isinstance(labels, dict) else {}
+    if labels.get("dag_id") and labels.get("task_id"):
+        task = ".".join(str(labels[k]) for k in AIRFLOW_TASK_LABELS if labels.get(k))
+    else:
+        task = display_name(pod)
+    key = hashlib.sha256(f"{namespace}\0{task}".encode()).hexdigest()[:40]
+    return task, key
+
+
+def read_pod(
+    pod: Obj, *, annotation: str, queue_annotation: str = "gpu-queue", namespace: str = ""
+) -> PodFacts:
+    task, key = task_of(pod, namespace=namespace)
     return PodFacts(
+        task=task,
+        task_key=key,
         claimed_queue_entry=queued_entry_of(pod),
         queue_request=pod_annotations(pod).get(queue_annotation),
         display_name=display_name(pod),

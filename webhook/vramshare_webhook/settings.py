@@ -13,7 +13,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
-from vramshare.domain import DEFAULT_ANNOTATION, DEFAULT_MAX_MIB, Accounting, AllocationSettings, Policy
+from vramshare.domain import (
+    DEFAULT_ANNOTATION,
+    DEFAULT_MAX_MIB,
+    Accounting,
+    AllocationSettings,
+    FairnessSettings,
+    Policy,
+)
 from vramshare.settings import check_accounting, from_env, invalid
 
 
@@ -43,6 +50,16 @@ class WebhookSettings:
     denial_code: int = 403
     """403 (default: the task's own retries apply) or 429 (retryAfterSeconds; KPO retries in the try)."""
     retry_after_s: int = 60
+    """With 429: the longest Retry-After; the one sent is estimated from how fast memory frees lately."""
+    retry_after_min_s: int = 5
+    """With 429: the shortest Retry-After sent."""
+    hold_min_mib: int = 10_240
+    """Refused requests of at least this many MiB get a hold: the GPU closest to fitting them keeps the
+    memory that frees on it for their task's next try. 0 turns holds off."""
+    max_holds: int = 1
+    """At most this many holds at once, fleet-wide: the oldest refused large requests get them."""
+    hold_limit_s: float = 900.0
+    """How long a hold lasts at most (the controller ends it; shared with it)."""
     queue_by_default: bool = False
     """Queue mode for pods whose namespace and annotation do not say: a pod that does not fit now waits
     behind a scheduling gate until the controller places it, instead of being refused."""
@@ -84,9 +101,16 @@ class WebhookSettings:
         )
 
     @property
+    def fairness(self) -> FairnessSettings:
+        return FairnessSettings(hold_min_mib=self.hold_min_mib, hold_limit_s=self.hold_limit_s)
+
+    @property
     def retry_hint(self) -> str:
+        return self.retry_hint_after(self.retry_after_s)
+
+    def retry_hint_after(self, retry_after_s: int) -> str:
         if self.denial_code == 429:
-            return f"The pod was not created; retry after {self.retry_after_s} s (Airflow retries the task)."
+            return f"The pod was not created; retry after {retry_after_s} s (Airflow retries the task)."
         return "The pod was not created; Airflow retries the task after its retry_delay."
 
     def validate(self) -> WebhookSettings:
@@ -95,6 +119,16 @@ class WebhookSettings:
         check_accounting(self.accounting)
         if not 0 < self.decision_deadline_s <= 29:
             raise invalid("decision_deadline_s", self.decision_deadline_s, "seconds between 0 and 29")
+        if not 1 <= self.retry_after_min_s <= self.retry_after_s:
+            raise invalid(
+                "retry_after_min_s", self.retry_after_min_s, f"1 to retry_after_s ({self.retry_after_s})"
+            )
+        if self.hold_min_mib < 0:
+            raise invalid("hold_min_mib", self.hold_min_mib, "0 (no holds) or more MiB")
+        if self.max_holds < 0:
+            raise invalid("max_holds", self.max_holds, "0 or more")
+        if self.hold_limit_s <= 0:
+            raise invalid("hold_limit_s", self.hold_limit_s, "a positive number of seconds")
         if self.near_tie_mib < 0:
             raise invalid("near_tie_mib", self.near_tie_mib, "0 or more MiB")
         if self.reinvocation_window_s <= 0:

@@ -110,6 +110,7 @@ def retry_after_s(*, deficit_mib: int, rate_mib_per_s: float, floor_s: int, ceil
     [floor_s, ceiling_s] (the ceiling when nothing was released lately)."""
     if deficit_mib <= 0:
         return floor_s
-    if rate_mib_per_s <= 0:
+    seconds = deficit_mib / rate_mib_per_s if rate_mib_per_s > 0 else math.inf
+    if seconds >= ceiling_s:  # also when nothing was released lately
         return ceiling_s
-    return max(floor_s, min(ceiling_s, math.ceil(deficit_mib / rate_mib_per_s)))
+    return max(floor_s, math.ceil(seconds))

@@ -3,12 +3,13 @@
     Queued --placed on a GPU by the controller--> Reserved (a spec change, not a transition here)
     Queued --its pod finished or was deleted--> Released
     Queued --no pod within the TTL--> Expired
+    Held --its task was admitted (the webhook deletes it) or the hold limit passed--> Expired
     Reserved --its pod exists--> Bound --its pod finished or was deleted--> Released
     Reserved --no pod within the TTL--> Expired --its pod appears after all--> Bound
     Bound --its GPU is missing--> Lost --the GPU is back--> Bound
     Lost --its pod finished or was deleted--> Released
 
-Reserved, Bound and Lost hold memory; Queued holds a place in the queue and no memory. A GPU whose
+Reserved, Bound, Lost and Held hold memory; Queued holds a place in the queue and no memory. A GPU whose
 metrics blink (its DCGM series missing for a while) must not lose the bookings of pods that still run on
 it: Lost keeps counting, so when the GPU returns its memory is still booked and no new pod is admitted
 into it. Expired is the fate of a booking whose pod never appeared (rejected after vramshare admitted
@@ -52,11 +53,13 @@ def next_phase(
     age_s: float,
     ttl_s: float,
     seen: bool = False,
+    hold_limit_s: float = float("inf"),
 ) -> Transition | None:
     """The transition a reservation takes now, or None when it stays where it is.
 
     `age_s` is the time since the reservation was committed; `ttl_s` how long a Reserved reservation
     may wait for its pod. `seen`: its pod was seen once (a Queued entry whose pod is gone left the queue).
+    `hold_limit_s`: how long a hold lasts.
     """
     if phase is ReservationPhase.EXPIRED:
         if pod is PodState.ACTIVE:
@@ -67,6 +70,14 @@ def next_phase(
             )
         return None
     if not phase.is_open:
+        return None
+    if phase is ReservationPhase.HELD:  # no pod of its own: it only lasts so long
+        if age_s >= hold_limit_s:
+            return Transition(
+                phase=ReservationPhase.EXPIRED,
+                reason="HoldLapsed",
+                message=f"its task did not come back within {hold_limit_s:g} s; the memory is free again",
+            )
         return None
     if pod is PodState.FINISHED:
         return Transition(phase=ReservationPhase.RELEASED, reason="PodFinished", message="its pod finished")

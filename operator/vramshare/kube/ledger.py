@@ -53,7 +53,7 @@ from typing import Any
 
 import structlog
 
-from vramshare.domain import Gpu, LedgerIndex, Reservation
+from vramshare.domain import Gpu, LedgerIndex, ReleaseLog, Reservation
 from vramshare.kube.client import ApiError, KubeClient, Obj
 from vramshare.kube.objects import GpuDevice, GpuReservation
 from vramshare.kube.resources import (
@@ -158,7 +158,9 @@ class KubeLedger:
         )
         self.index = LedgerIndex()
         """The reservations cache summed per GPU, kept in step with every change to it."""
-        self.reservations.on_change(self.index.put)
+        self.releases = ReleaseLog()
+        """Memory freed by pods that ran, lately: when a refused request may expect room."""
+        self.reservations.on_change(self._changed)
         self._own_tokens: dict[str, str] = {}
         """GPU UUID -> the token this process's last commit on it returned (no wait needed there)."""
         self._successor: dict[str, dict[str, str]] = {}
@@ -174,6 +176,28 @@ class KubeLedger:
         self._background: set[asyncio.Task[None]] = set()
         self.consistent_reads = 0
         self.catch_up_waits = 0
+
+    def _changed(self, key: str, reservation: Reservation | None) -> None:
+        before = self.index.get(key)
+        self.index.put(key, reservation)
+        ended = reservation is None or not reservation.is_active
+        if ended and before is not None and before.pod_running_since is not None:
+            self.releases.add(at=self.clock(), gpu_uuid=before.gpu_uuid, mib=before.mib)
+
+    def release_rate(self, gpu_uuid: str | None = None) -> float:
+        """MiB per second freed lately by pods that ended, on one GPU or on all."""
+        return self.releases.rate_mib_per_s(now=self.clock(), gpu_uuid=gpu_uuid)
+
+    async def withdraw_hold(self, namespace: str, name: str) -> None:
+        """Delete a hold whose task was just admitted (a hold that stays lapses on its own)."""
+        self.on_write("gpureservations", "delete")
+        try:
+            await self.kube.delete(reservations_path(namespace, name))
+        except ApiError as exc:
+            if not exc.not_found:
+                log.warning(
+                    "hold not withdrawn; it lapses", reservation=f"{namespace}/{name}", error=str(exc)
+                )
 
     async def run(self) -> None:
         """Keep both caches fed until cancelled."""

@@ -20,6 +20,7 @@ from vramshare.kube.resources import (
     LABEL_ACTIVE,
     LABEL_COMMITTED,
     LABEL_GPU,
+    LABEL_HELD_FOR,
     device_name,
     format_time,
     format_time_precise,
@@ -203,20 +204,29 @@ class GpuReservation:
 
     @classmethod
     def new(
-        cls, *, name: str, namespace: str, pod: str, mib: int, gpu: Gpu, admission_uid: str, user: str = ""
+        cls,
+        *,
+        name: str,
+        namespace: str,
+        pod: str,
+        mib: int,
+        gpu: Gpu,
+        admission_uid: str,
+        user: str = "",
+        held_for: str = "",
     ) -> GpuReservation:
-        """A booking as the webhook creates it: not yet committed, active."""
+        """A booking as the webhook creates it: not yet committed, active. With `held_for`, a hold:
+        memory kept for that task's next try, with no pod of its own."""
+        labels = {
+            LABEL_GPU: device_name(gpu.uuid),
+            LABEL_COMMITTED: "false",
+            LABEL_ACTIVE: "true",
+            "app.kubernetes.io/managed-by": "vramshare",
+        }
+        if held_for:
+            labels[LABEL_HELD_FOR] = held_for
         return GpuReservation(
-            meta=Meta(
-                name=name,
-                namespace=namespace,
-                labels={
-                    LABEL_GPU: device_name(gpu.uuid),
-                    LABEL_COMMITTED: "false",
-                    LABEL_ACTIVE: "true",
-                    "app.kubernetes.io/managed-by": "vramshare",
-                },
-            ),
+            meta=Meta(name=name, namespace=namespace, labels=labels),
             spec=ReservationSpec(
                 pod_name=pod,
                 memory_mib=mib,
@@ -273,9 +283,16 @@ class GpuReservation:
         """The recorded phase; none yet means just Reserved (Queued without a GPU). A queue entry the
         controller has placed is Reserved from the moment its spec names the GPU."""
         recorded = self.status.phase
+        if recorded is None and self.held_for:
+            return ReservationPhase.HELD
         if recorded is None or recorded is ReservationPhase.QUEUED:
             return ReservationPhase.RESERVED if self.spec.placed else ReservationPhase.QUEUED
         return recorded
+
+    @property
+    def held_for(self) -> str:
+        """For a hold: the key of the task it keeps memory for."""
+        return self.meta.labels.get(LABEL_HELD_FOR, "")
 
     @property
     def labelled_active(self) -> bool:
@@ -295,6 +312,7 @@ class GpuReservation:
             reserved_at=self.meta.created_at or 0.0,
             pod_running_since=self.status.pod_running_since,
             finished_at=self.status.finished_at,
+            held_for=self.held_for,
         )
 
 

@@ -27,6 +27,8 @@ count both (a pending reservation may still win); observers of the ledger count 
 LABEL_ACTIVE = "vramshare.io/active"
 """On reservations: "true" while Reserved or Bound, "false" once ended (set by the controller), so the
 webhook lists only the live ledger, not the history kept for the retention period."""
+LABEL_HELD_FOR = "vramshare.io/held-for"
+"""On holds (phase Held): the key of the task the memory is kept for (a hash of its Airflow identity)."""
 LABEL_GPU = "vramshare.io/gpu"
 """On reservations: the GpuDevice name, so the ledger of one GPU can be listed by label."""
 ANNOTATION_REINVOKED = "vramshare.io/reinvoked-by"

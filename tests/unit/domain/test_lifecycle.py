@@ -154,3 +154,19 @@ def test_a_queued_entry_waits_while_its_pod_exists_and_leaves_when_it_is_deleted
     assert done.phase is ReservationPhase.RELEASED
     assert queued.is_open
     assert not queued.is_active
+
+
+def test_a_hold_lapses_after_its_limit_whatever_its_pod() -> None:
+    from vramshare.domain import PodState, ReservationPhase, next_phase
+
+    held = ReservationPhase.HELD
+    assert held.is_active
+    for pod in PodState:
+        assert (
+            next_phase(phase=held, pod=pod, gpu_missing=False, age_s=899, ttl_s=20, hold_limit_s=900) is None
+        )
+    lapsed = next_phase(
+        phase=held, pod=PodState.ABSENT, gpu_missing=False, age_s=900, ttl_s=20, hold_limit_s=900
+    )
+    assert lapsed is not None
+    assert (lapsed.phase, lapsed.reason) == (ReservationPhase.EXPIRED, "HoldLapsed")

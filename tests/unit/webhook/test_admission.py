@@ -32,6 +32,8 @@ class MemoryLedger:
         self.carried: set[str] = set()
         """Reservations some pod already carries."""
         self.hang_commit = False
+        self.rate = 0.0
+        """MiB per second freed lately (for Retry-After)."""
 
     async def snapshot(self, *, fresh: bool = False) -> Snapshot:
         self.fresh_reads += fresh
@@ -71,6 +73,12 @@ class MemoryLedger:
 
     async def enqueue(self, reservation: GpuReservation) -> GpuReservation:
         return await self.commit(reservation=reservation, token="")
+
+    async def withdraw_hold(self, namespace: str, name: str) -> None:
+        self.objects = [o for o in self.objects if o.name != name]
+
+    def release_rate(self, gpu_uuid: str | None = None) -> float:
+        return self.rate
 
 
 def request(mib: str | None = "4096", *, uid: str = "u1", dry_run: bool = False, **meta: Any) -> rv.Request:
@@ -405,3 +413,59 @@ async def test_a_reinvocation_of_a_queued_pod_keeps_its_one_entry() -> None:
     # A third pass (a copy: the API server reinvokes once) gets an entry of its own.
     await webhook.review(request("8000", uid="u3", annotations=annotations))
     assert len(ledger.objects) == 2
+
+
+def airflow(task: str, try_number: int = 1) -> dict[str, str]:
+    return {"dag_id": "train", "task_id": task, "run_id": "manual-1", "try_number": str(try_number)}
+
+
+async def test_a_refused_large_task_gets_a_hold_that_only_its_next_try_may_use() -> None:
+    ledger = MemoryLedger()
+    ledger.gpus = (gpu("GPU-a", total=16_384, used=10_000), gpu("GPU-b", index=1, total=8_192, used=8_000))
+    webhook = admitter(ledger)
+    refused = await webhook.review(request("12000", labels=airflow("big")))
+    assert refused["response"]["status"]["code"] == 403
+    (hold,) = ledger.objects
+    assert hold.phase is ReservationPhase.HELD
+    assert (hold.spec.gpu_uuid, hold.spec.memory_mib, hold.spec.pod_name) == (
+        "GPU-a",
+        12_000,
+        "train.big.manual-1",
+    )
+    assert (
+        "GPU GPU-a (node-a, index 0) now keeps the memory that frees on it for this task"
+        in (refused["response"]["status"]["message"])
+    )
+    # Another large task is refused without a hold: one at a time (max_holds 1).
+    await webhook.review(request("12000", uid="u2", labels=airflow("other-big")))
+    assert len(ledger.objects) == 1
+    # Memory frees on GPU-a: a small task is still kept off it, the held memory is not its own.
+    ledger.gpus = (gpu("GPU-a", total=16_384, used=2_000), ledger.gpus[1])
+    small = await webhook.review(request("4000", uid="u3", labels=airflow("small")))
+    assert small["response"]["status"]["code"] == 403
+    # The big task's next try (a new pod, the same task) is admitted there and the hold is gone.
+    retry = await webhook.review(request("12000", uid="u4", labels=airflow("big", 2)))
+    assert retry["response"]["allowed"]
+    (booked,) = ledger.objects
+    assert booked.phase is ReservationPhase.RESERVED
+    assert booked.spec.gpu_uuid == "GPU-a"
+
+
+async def test_no_hold_for_small_requests_or_when_turned_off() -> None:
+    ledger = MemoryLedger()
+    ledger.gpus = (gpu("GPU-a", total=16_384, used=10_000),)
+    await admitter(ledger).review(request("8000", labels=airflow("small")))
+    await admitter(ledger, hold_min_mib=0).review(request("12000", uid="u2", labels=airflow("big")))
+    assert ledger.objects == []
+
+
+async def test_retry_after_follows_how_fast_memory_frees() -> None:
+    ledger = MemoryLedger()
+    ledger.gpus = (gpu("GPU-a", total=16_384, used=12_000),)
+    webhook = admitter(ledger, denial_code=429, retry_after_s=60, hold_min_mib=0)
+    idle = await webhook.review(request("8000"))
+    assert idle["response"]["status"]["details"]["retryAfterSeconds"] == 60  # nothing freed lately
+    ledger.rate = 400.0  # MiB per second: the 3616 MiB missing free in about 10 s
+    busy = await webhook.review(request("8000", uid="u2"))
+    assert busy["response"]["status"]["details"]["retryAfterSeconds"] == 10
+    assert "retry after 10 s" in busy["response"]["status"]["message"]
