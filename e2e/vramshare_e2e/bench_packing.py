@@ -623,6 +623,7 @@ def run(*, smoke: bool, out: Path, seed: int = 42, show: Callable[[str], None] =
         "model": model.__dict__,
         "clients": {k: c.__dict__ for k, c in CLIENTS.items()},
         "designs": results,
+        "starvation": starvation(model),
     }
     out.mkdir(parents=True, exist_ok=True)
     (out / "packing.json").write_text(json.dumps(report, indent=2) + "\n")
@@ -633,6 +634,28 @@ def run(*, smoke: bool, out: Path, seed: int = 42, show: Callable[[str], None] =
         + f"\n(simulated in {time.monotonic() - started:.1f} s; {out / 'packing.json'}, {chart})"
     )
     return report
+
+
+def starvation(model: Model) -> dict[str, Any]:
+    """One 32 GiB task against an endless stream of 4 GiB tasks on one 40 GiB GPU (403, retry_delay
+    60 s): how long the large task waits with and without refuse mode's hold."""
+    small = [
+        Job(name=f"s{i}", arrival_s=i * 20.0, asked_mib=4_096, peak_mib=3_500, duration_s=120.0)
+        for i in range(300)
+    ]
+    large = Job(name="big", arrival_s=300.0, asked_mib=32_768, peak_mib=30_000, duration_s=600.0)
+    jobs = sorted([*small, large], key=lambda j: j.arrival_s)
+    out: dict[str, Any] = {"stream_ends_s": small[-1].arrival_s}
+    for label, design in (
+        ("without-hold", Vramshare(model, Policy.BINPACK)),
+        ("with-hold", VramshareFair(model, Policy.BINPACK)),
+    ):
+        r = simulate(design, jobs, [("node-a", 1, 40_960)], model, CLIENTS["403-60s"])
+        out[label] = {
+            "large_wait_s": r.waits["large"]["mean_s"],
+            "small_p95_wait_s": r.waits["small"]["p95_s"],
+        }
+    return out
 
 
 def summary(report: dict[str, Any]) -> str:
@@ -649,9 +672,14 @@ def summary(report: dict[str, Any]) -> str:
             f"{large['mean_s']:>6.0f}/{large['p95_s']:<7.0f} {r['oom_events']:>5} {r['airflow_tries']:>6}"
         )
     w = report["workload"]
+    st = report["starvation"]
     return (
         f"Packing: {w['jobs']} jobs ({w['large_jobs']} large) on {sum(f['gpus'] for f in w['fleet'])} GPUs "
-        f"(seed {w['seed']})\n" + "\n".join(rows)
+        f"(seed {w['seed']})\n" + "\n".join(rows) + "\n"
+        f"Starvation (a 32 GiB task in a stream of 4 GiB tasks ending at {st['stream_ends_s']:.0f} s): "
+        f"the large task waits {st['without-hold']['large_wait_s']:.0f} s without a hold, "
+        f"{st['with-hold']['large_wait_s']:.0f} s with one (small p95 wait "
+        f"{st['without-hold']['small_p95_wait_s']:.0f} s -> {st['with-hold']['small_p95_wait_s']:.0f} s)"
     )
 
 

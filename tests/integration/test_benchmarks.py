@@ -22,6 +22,9 @@ def test_packing_smoke(tmp_path: Path) -> None:
         "vramshare-binpack/403-60s",
         "vramshare-binpack/403-300s",
         "vramshare-binpack/429",
+        "vramshare-binpack-fair/403-60s",
+        "vramshare-binpack-fair/403-300s",
+        "vramshare-binpack-fair/429",
         "vramshare-spread/403-60s",
         "kaapana-like",
         "whole-gpu",
@@ -49,6 +52,11 @@ def test_packing_smoke(tmp_path: Path) -> None:
     # Waiting spends no try; a 403 spends one per refusal, a 429 one per five.
     assert designs["vramshare-queue"]["airflow_tries"] == len(jobs)
     assert designs["ideal"]["airflow_tries"] == len(jobs)
+    # A large task in an endless stream of small ones: it starves until the stream ends without a hold,
+    # and gets in within a few retries with one.
+    st = report["starvation"]
+    assert st["without-hold"]["large_wait_s"] > st["stream_ends_s"] - 600
+    assert st["with-hold"]["large_wait_s"] <= 5 * 60
     r403 = designs["vramshare-binpack/403-60s"]
     assert r403["airflow_tries"] == len(jobs) + r403["refusals"]
 

@@ -107,7 +107,7 @@ def test_settings_are_named_as_the_components_name_them() -> None:
     assert webhook["VRAMSHARE_QUEUE_BY_DEFAULT"] == "true"
     assert webhook["VRAMSHARE_DENIAL_CODE"] == "429"
     # Shared settings reach both components with one value.
-    for key in variables(Accounting()):
+    for key in [*variables(Accounting()), "VRAMSHARE_HOLD_LIMIT_S"]:
         assert webhook[key] == controller[key]
 
 

@@ -88,3 +88,5 @@ async def test_a_queue_entry_is_placed_once_and_a_lost_race_puts_it_back_in_the_
         assert "gpuUUID, nodeName and gpuIndex are set together" in half
     finally:
         await kube.delete(devices_path(device_name(UUID)))
+        for name in ("first", "second"):
+            await kube.delete(reservations_path(namespace, name))

@@ -221,12 +221,13 @@ def test_concurrent_creations_over_two_replicas_never_overbook(
     # Exactly one reservation per admitted pod, none for refused ones.
     assert sorted((r["metadata"]["namespace"], r["metadata"]["name"]) for r in burst) == sorted(admitted)
     # No GPU holds more than its capacity minus the margin.
-    fleet = cluster.exporter.fleet()
     booked: dict[str, int] = defaultdict(int)
-    placed = [r for r in items if "gpuUUID" in r["spec"]]  # queue entries of other tests book nothing
+    fleet = cluster.exporter.fleet()
+    capacity = {g.uuid: g.free_mib - MARGIN for _, g in fleet.all_gpus()}
+    # Bookings on the fleet's GPUs (queue entries book nothing; other tests may book made-up GPUs).
+    placed = [r for r in items if r["spec"].get("gpuUUID") in capacity]
     for r in placed:
         booked[r["spec"]["gpuUUID"]] += r["spec"]["memoryMiB"]
-    capacity = {g.uuid: g.free_mib - MARGIN for _, g in fleet.all_gpus()}
     for uuid, mib in booked.items():
         assert mib <= capacity[uuid], f"{uuid}: {mib} MiB booked, capacity {capacity[uuid]}"
     # The fleet was oversubscribed, and filled to what it can hold: every refusal was for lack of room.

@@ -68,6 +68,7 @@ def test_reservation_columns_point_at_real_fields() -> None:
         "Released",
         "Expired",
         "Lost",
+        "Held",
     ]
     assert schema_field(crd, ".spec.memoryMiB")["minimum"] == 1
 

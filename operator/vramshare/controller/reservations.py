@@ -137,6 +137,7 @@ def plan(
     now: float,
     ttl_s: float,
     retention_s: float,
+    hold_limit_s: float = float("inf"),
 ) -> Plan:
     current = res.status
     status = current
@@ -150,6 +151,7 @@ def plan(
         age_s=now - (res.meta.created_at or 0.0),
         ttl_s=ttl_s,
         seen=bool(current.pod_uid),
+        hold_limit_s=hold_limit_s,
     )
     # Open (queued or holding memory): its pod is recorded and owns it.
     active_after = transition.phase.is_open if transition is not None else res.phase.is_open
@@ -322,6 +324,7 @@ class ReservationReconciler:
             now=now,
             ttl_s=self.settings.reservation_ttl_s,
             retention_s=self.settings.retention_s,
+            hold_limit_s=self.settings.hold_limit_s,
         )
         if the_plan.empty:
             return False

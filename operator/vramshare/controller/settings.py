@@ -36,7 +36,8 @@ class ControllerSettings:
     queue_interval_s: float = 2.0
     """How often the queue is planned when nothing wakes it (a pod ending, a reservation released)."""
     hold_limit_s: float = 900.0
-    """How long one GPU's freed memory is kept for the head of the queue before the hold moves on."""
+    """How long a hold lasts: queue mode's on one GPU for the head of the queue, refuse mode's for a
+    refused large request's next try (ended here, as Expired/HoldLapsed)."""
     namespace: str = "vramshare"
     lease_name: str = "vramshare-controller"
     lease_duration_s: float = 15.0

@@ -133,7 +133,9 @@ def observe(
             room = replace(room, headroom_mib=0)
         overused = 0
         if state is DeviceState.READY:
-            overused = max(0, gpu.used_mib - room.reserved_mib - accounting.safety_margin_mib)
+            # A hold books memory for a task that is not running: it allows no usage.
+            held = sum(r.mib for r in active if r.gpu_uuid == gpu.uuid and r.held_for)
+            overused = max(0, gpu.used_mib - (room.reserved_mib - held) - accounting.safety_margin_mib)
         out.append(
             DeviceStatus(
                 gpu=gpu,

@@ -230,3 +230,18 @@ def test_a_queue_entry_whose_pod_never_came_expires_with_an_event_that_names_no_
     assert p.event_on_reservation
     assert "of 4096 MiB on no GPU yet (queued)" in p.event.message
     assert "vramshare queued it" in p.event.message
+
+
+def test_a_hold_shows_as_held_and_lapses_after_its_limit() -> None:
+    o = obj(age=100)
+    o["metadata"]["labels"] = {"vramshare.io/active": "true", "vramshare.io/held-for": "abc"}
+    res = GpuReservation.from_wire(o)
+    assert res.phase is ReservationPhase.HELD
+    kept = plan(res=res, pod=None, gpu_missing=False, now=NOW, ttl_s=20, retention_s=600, hold_limit_s=900)
+    assert kept.transition is None  # no pod is expected: not PodNeverCreated after the TTL
+    assert kept.status is not None
+    assert kept.status.phase is ReservationPhase.HELD
+    lapsed = plan(res=res, pod=None, gpu_missing=False, now=NOW, ttl_s=20, retention_s=600, hold_limit_s=60)
+    assert lapsed.transition is not None
+    assert lapsed.transition.reason == "HoldLapsed"
+    assert lapsed.active_label == "false"

@@ -174,3 +174,23 @@ def test_every_gpu_gets_exactly_one_status(uuids: set[str], known_uuids: set[str
     for s in out:
         if s.gpu.uuid in uuids:
             assert s.state is DeviceState.READY
+
+
+def test_a_hold_allows_no_usage_on_its_gpu() -> None:
+    from dataclasses import replace
+
+    from vramshare.domain import ReservationPhase
+
+    booked = reservation(4_000, gpu_uuid="GPU-1", running_since=NOW - 600)
+    hold = replace(
+        reservation(8_000, gpu_uuid="GPU-1", phase=ReservationPhase.HELD, name="hold"), held_for="task"
+    )
+    (status,) = observe(
+        known=[],
+        samples=[sample("GPU-1", used=6_000)],
+        reservations=[booked, hold],
+        nodes=None,
+        now=NOW,
+        settings=SETTINGS,
+    )
+    assert status.overused_mib == 6_000 - 4_000 - 500
