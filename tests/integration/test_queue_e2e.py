@@ -2,7 +2,8 @@
 over TLS and two controller replicas, with the admission parts users run next to it: a labelling
 webhook and a sidecar injector after vramshare (so the API server reinvokes it) and a ResourceQuota
 that rejects a pod vramshare has queued. A pod that does not fit waits behind a scheduling gate and is
-placed when memory frees; its own control plane, since it fills every GPU."""
+placed when memory frees; in refuse mode a refused large task gets a hold for its next try. Its own
+control plane, since it fills every GPU."""
 
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ CONTROLLER_ENV = {
     "VRAMSHARE_SAFETY_MARGIN_MIB": str(MARGIN),
     "VRAMSHARE_LEASE_DURATION_S": "4",
     "VRAMSHARE_QUEUE_INTERVAL_S": "1",
+    "VRAMSHARE_HOLD_LIMIT_S": "25",
 }
 
 
@@ -82,14 +84,21 @@ def capacity(stack: LocalCluster) -> dict[str, int]:
     return {g.uuid: g.total_mib - g.driver_reserved_mib - MARGIN for _, g in stack.settings.fleet.all_gpus()}
 
 
-def gpu_pod(name: str, mib: int, *, run: str | None = None, queue: str | None = None) -> client.V1Pod:
+def gpu_pod(
+    name: str,
+    mib: int,
+    *,
+    run: str | None = None,
+    queue: str | None = None,
+    labels: dict[str, str] | None = None,
+) -> client.V1Pod:
     annotations = {"gpu-mem-mb": str(mib)}
     if run:
         annotations[RUN_DURATION_ANNOTATION] = run
     if queue is not None:
         annotations["gpu-queue"] = queue
     return client.V1Pod(
-        metadata=client.V1ObjectMeta(name=name, annotations=annotations),
+        metadata=client.V1ObjectMeta(name=name, annotations=annotations, labels=labels),
         spec=client.V1PodSpec(
             containers=[client.V1Container(name="base", image="example.invalid/task")], restart_policy="Never"
         ),
@@ -327,3 +336,75 @@ def test_a_queued_pod_that_a_quota_rejects_leaves_an_entry_that_expires(
         assert "gpuUUID" not in expired["spec"]  # never placed: no memory was booked for it
     finally:
         fill_every_gpu(stack, used=False)
+
+
+def airflow_task(task: str, try_number: int) -> dict[str, str]:
+    """The labels the KubernetesPodOperator puts on each try's pod."""
+    return {"dag_id": "train", "task_id": task, "run_id": "manual-1", "try_number": str(try_number)}
+
+
+def holds(stack: LocalCluster) -> list[dict[str, Any]]:
+    return [
+        r
+        for r in reservations(stack).values()
+        if "vramshare.io/held-for" in r["metadata"]["labels"] and phase(r) in (None, "Held")
+    ]
+
+
+def test_refuse_mode_holds_memory_for_a_refused_large_task_until_its_next_try(
+    stack: LocalCluster, core: client.CoreV1Api
+) -> None:
+    caps = capacity(stack)
+    fill_every_gpu(stack, used=True)
+    try:
+        eventually(lambda: refused_now(core), what="GPUs seen full", timeout_s=30)
+        with pytest.raises(client.ApiException) as refused:
+            core.create_namespaced_pod(
+                NS, gpu_pod("big-try1", 20_000, queue="false", labels=airflow_task("big", 1))
+            )
+        assert refused.value.status == 403
+        assert "now keeps the memory that frees on it for this task" in refused.value.body
+        (hold,) = holds(stack)
+        held_gpu = hold["spec"]["gpuUUID"]
+        assert caps[held_gpu] >= 20_000  # an A100: the only GPUs the task could ever use
+        eventually(lambda: phase(reservations(stack)[hold["metadata"]["name"]]) == "Held", what="Held shown")
+    finally:
+        fill_every_gpu(stack, used=False)
+    eventually(lambda: not refused_now(core), what="GPUs seen free", timeout_s=30)
+    # Another large task may not take the held memory: it goes to the other A100 ...
+    other = core.create_namespaced_pod(NS, gpu_pod("other-big", 30_000, queue="false", run="60s"))
+    assert other.metadata.annotations[ANNOTATION_GPU_UUID] != held_gpu
+    # ... and a second one is refused, although the held GPU is empty to DCGM.
+    with pytest.raises(client.ApiException) as kept_off:
+        core.create_namespaced_pod(NS, gpu_pod("third-big", 30_000, queue="false"))
+    assert kept_off.value.status == 403
+    # The big task's next try (a new pod of the same task) is admitted onto the held GPU; the hold goes.
+    retry = core.create_namespaced_pod(
+        NS, gpu_pod("big-try2", 20_000, queue="false", labels=airflow_task("big", 2))
+    )
+    assert retry.metadata.annotations[ANNOTATION_GPU_UUID] == held_gpu
+    eventually(lambda: holds(stack) == [], what="the hold withdrawn", timeout_s=10)
+    for name in ("other-big", "big-try2"):
+        core.delete_namespaced_pod(name, NS)
+
+
+def test_a_hold_whose_task_never_comes_back_lapses(stack: LocalCluster, core: client.CoreV1Api) -> None:
+    fill_every_gpu(stack, used=True)
+    try:
+        eventually(lambda: refused_now(core), what="GPUs seen full", timeout_s=30)
+        with pytest.raises(client.ApiException):
+            core.create_namespaced_pod(
+                NS, gpu_pod("gone-try1", 20_000, queue="false", labels=airflow_task("gone", 1))
+            )
+        (hold,) = holds(stack)
+    finally:
+        fill_every_gpu(stack, used=False)
+    name = hold["metadata"]["name"]
+    started = time.monotonic()
+    lapsed = eventually(
+        lambda: (r := reservations(stack)[name]) and phase(r) == "Expired" and r,
+        what="the hold lapsed",
+        timeout_s=60,
+    )
+    print(f"\nhold lapsed {time.monotonic() - started:.0f} s after it was seen (limit 25 s)")
+    assert lapsed["status"]["reason"] == "HoldLapsed"
