@@ -660,14 +660,14 @@ def starvation(model: Model) -> dict[str, Any]:
 
 def summary(report: dict[str, Any]) -> str:
     rows = [
-        f"{'design/client':<26} {'makespan':>9} {'vs ideal':>8} {'util/fluid':>10} {'wait small':>14} "
+        f"{'design/client':<32} {'makespan':>9} {'vs ideal':>8} {'util/fluid':>10} {'wait small':>14} "
         f"{'wait large':>14} {'OOM':>5} {'tries':>6}",
-        f"{'':<26} {'':>9} {'':>8} {'':>10} {'mean/p95 (s)':>14} {'mean/p95 (s)':>14}",
+        f"{'':<32} {'':>9} {'':>8} {'':>10} {'mean/p95 (s)':>14} {'mean/p95 (s)':>14}",
     ]
     for name, r in report["designs"].items():
         small, large = r["wait_small"], r["wait_large"]
         rows.append(
-            f"{name:<26} {r['makespan_s']:>8.0f}s {r['makespan_vs_ideal']:>7.2f}x "
+            f"{name:<32} {r['makespan_s']:>8.0f}s {r['makespan_vs_ideal']:>7.2f}x "
             f"{r['utilisation_vs_fluid']:>10.1%} {small['mean_s']:>6.0f}/{small['p95_s']:<7.0f} "
             f"{large['mean_s']:>6.0f}/{large['p95_s']:<7.0f} {r['oom_events']:>5} {r['airflow_tries']:>6}"
         )
