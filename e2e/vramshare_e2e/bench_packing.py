@@ -50,12 +50,14 @@ from vramshare.domain import (
     Hold,
     Policy,
     QueueSettings,
+    Refusal,
     ReleaseLog,
     Reservation,
     ReservationPhase,
     Waiting,
     choose,
     gpu_to_hold,
+    missing_mib,
     plan_queue,
     retry_after_s,
 )
@@ -221,17 +223,28 @@ class Vramshare(Design):
         )
 
     def place(self, job: Job, cards: list[Card], now: float) -> Card | None:
+        decision = self.decide(job, cards, now)
+        return next(c for c in cards if c.uuid == decision.gpu.uuid) if isinstance(decision, Choice) else None
+
+    def decide(
+        self,
+        job: Job,
+        cards: list[Card],
+        now: float,
+        *,
+        extra: list[Reservation] | None = None,
+        credit: dict[str, int] | None = None,
+    ) -> Choice | Refusal:
+        """The webhook's `choose` over what vramshare sees, plus `extra` bookings (holds)."""
         gpus, reservations = vramshare_view(cards, now, self.model)
-        decision = choose(
+        return choose(
             AllocationRequest(mib=job.asked_mib, namespace="sim", pod=job.name),
             gpus,
-            reservations,
+            reservations + (extra or []),
             settings=self.settings,
             now=now,
+            credit=credit,
         )
-        if not isinstance(decision, Choice):
-            return None
-        return next(c for c in cards if c.uuid == decision.gpu.uuid)
 
 
 def vramshare_view(cards: list[Card], now: float, model: Model) -> tuple[list[Gpu], list[Reservation]]:
@@ -297,8 +310,7 @@ class VramshareFair(Vramshare):
 
     def place(self, job: Job, cards: list[Card], now: float) -> Card | None:
         self.holds = {k: h for k, h in self.holds.items() if now - h[1] < self.fairness.hold_limit_s}
-        gpus, reservations = vramshare_view(cards, now, self.model)
-        reservations += [
+        holds = [
             Reservation(
                 name=f"hold-{name}",
                 namespace="sim",
@@ -314,19 +326,11 @@ class VramshareFair(Vramshare):
             for name, (uuid, since, mib) in self.holds.items()
         ]
         own = self.holds.get(job.name)
-        decision = choose(
-            AllocationRequest(mib=job.asked_mib, namespace="sim", pod=job.name),
-            gpus,
-            reservations,
-            settings=self.settings,
-            now=now,
-            credit={own[0]: job.asked_mib} if own else None,
-        )
+        decision = self.decide(job, cards, now, extra=holds, credit={own[0]: job.asked_mib} if own else None)
         if isinstance(decision, Choice):
             self.holds.pop(job.name, None)
             return next(c for c in cards if c.uuid == decision.gpu.uuid)
-        best = decision.best_headroom_mib
-        self.deficits[job.name] = job.asked_mib - (best if best is not None else 0)
+        self.deficits[job.name] = missing_mib(decision)
         if own is None and len(self.holds) < self.model.max_holds:
             gpu = gpu_to_hold(
                 decision,

@@ -27,6 +27,7 @@ from vramshare.domain import (
     choose,
     could_ever_fit,
     gpu_to_hold,
+    missing_mib,
     parse_memory_request,
     refusal_message,
     retry_after_s,
@@ -490,7 +491,7 @@ class Admitter:
                 details = {**details, "hold": gpu.uuid}
         best = refusal.best_headroom_mib
         retry_after = retry_after_s(
-            deficit_mib=refusal.request.mib - max(best or 0, 0),
+            deficit_mib=missing_mib(refusal),
             rate_mib_per_s=self.ledger.release_rate(holds[0].gpu_uuid if holds else None),
             floor_s=self.settings.retry_after_min_s,
             ceiling_s=self.settings.retry_after_s,

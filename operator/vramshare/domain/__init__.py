@@ -21,6 +21,7 @@ from vramshare.domain.fairness import (
     closest_to_fitting,
     could_ever_fit,
     gpu_to_hold,
+    missing_mib,
     retry_after_s,
 )
 from vramshare.domain.headroom import Headroom, headroom, is_unseen
@@ -78,6 +79,7 @@ __all__ = [
     "gpu_to_hold",
     "headroom",
     "is_unseen",
+    "missing_mib",
     "next_phase",
     "parse_memory_request",
     "plan_queue",

@@ -105,6 +105,11 @@ class ReleaseLog:
         return released / self.window_s
 
 
+def missing_mib(refusal: Refusal) -> int:
+    """How much more memory the refused request needs than the most any GPU can give it now."""
+    return refusal.request.mib - max(refusal.best_headroom_mib or 0, 0)
+
+
 def retry_after_s(*, deficit_mib: int, rate_mib_per_s: float, floor_s: int, ceiling_s: int) -> int:
     """When to try again: the time the observed release rate takes to free `deficit_mib`, within
     [floor_s, ceiling_s] (the ceiling when nothing was released lately)."""
