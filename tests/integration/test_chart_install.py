@@ -110,6 +110,8 @@ def test_identities_have_what_they_need(stack: LocalCluster) -> None:
     assert can(stack, WEBHOOK_SA, "create", "gpureservations", "-n", "jobs")
     assert can(stack, WEBHOOK_SA, "get", "secrets/t-vramshare-webhook-tls", "-n", NS)
     assert can(stack, CONTROLLER_SA, "watch", "pods", "--all-namespaces")
+    assert can(stack, CONTROLLER_SA, "patch", "pods", "-n", "jobs")  # queue mode places gated pods
+    assert can(stack, WEBHOOK_SA, "watch", "namespaces")  # queue mode chosen by namespace label
     assert can(stack, CONTROLLER_SA, "update", "leases/t-vramshare-controller", "-n", NS)
 
 
@@ -193,13 +195,70 @@ def test_vramshare_runs_as_the_chart_identities(stack: LocalCluster) -> None:
     }
     hidden = json.loads(stack.kubectl("create", "-f", "-", "-o", "json", stdin=json.dumps(plain)))
     assert hidden["spec"]["containers"][0]["env"] == [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "none"}]
+    # Queue mode: the controller places a gated pod, past the chart's tamper protection.
+    for _, gpu in stack.settings.fleet.all_gpus():
+        stack.exporter.set_used(gpu.uuid, gpu.total_mib - gpu.driver_reserved_mib - 100)
+    waiter = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": "waiter",
+            "namespace": "jobs",
+            "annotations": {"gpu-mem-mb": "3000", "gpu-queue": "true"},
+        },
+        "spec": {"restartPolicy": "Never", "containers": [{"name": "base", "image": "example.invalid/x"}]},
+    }
+
+    def queued() -> bool:
+        stack.kubectl("delete", "pod", "waiter", "-n", "jobs", "--ignore-not-found", "--wait=false")
+        made = json.loads(stack.kubectl("create", "-f", "-", "-o", "json", stdin=json.dumps(waiter)))
+        return bool(made["spec"].get("schedulingGates"))
+
+    eventually(queued, what="a pod queued while every GPU looks full", timeout_s=30, interval_s=1)
+    for _, gpu in stack.settings.fleet.all_gpus():
+        stack.exporter.set_used(gpu.uuid, 0)
+
+    def placed() -> Any:
+        pod = json.loads(stack.kubectl("get", "pod", "waiter", "-n", "jobs", "-o", "json"))
+        return not pod["spec"].get("schedulingGates") and pod
+
+    released = eventually(placed, what="the queued pod placed by the controller", timeout_s=30)
+    assert released["metadata"]["annotations"]["vramshare.io/gpu-uuid"].startswith("GPU-")
     for component in ("webhook", "controller"):
         log = stack.components[component].log_path.read_text()
         assert "forbidden" not in log.lower(), log[-3000:]
 
 
 def test_pinning_annotations_cannot_be_changed_after_admission(stack: LocalCluster) -> None:
-    """The chart's ValidatingAdmissionPolicy: nobody re-points an admitted pod (runs after the flow above)."""
+    """The chart's ValidatingAdmissionPolicy: nobody re-points an admitted pod (runs after the flow above);
+    even the controller only adds the placement of a pod still behind its scheduling gate."""
+    as_controller = f"--as=system:serviceaccount:{NS}:{CONTROLLER_SA}"
+    moved = stack.kubectl(
+        "patch",
+        "pod",
+        "waiter",
+        "-n",
+        "jobs",
+        "--type=merge",
+        as_controller,
+        "-p",
+        json.dumps({"metadata": {"annotations": {"vramshare.io/gpu-uuid": "GPU-other"}}}),
+        check=False,
+    )
+    assert "cannot be added, changed or removed afterwards" in moved, moved
+    added = stack.kubectl(
+        "patch",
+        "pod",
+        "task",
+        "-n",
+        "jobs",
+        "--type=merge",
+        as_controller,
+        "-p",
+        json.dumps({"metadata": {"annotations": {"vramshare.io/extra": "x"}}}),
+        check=False,
+    )
+    assert "cannot be added, changed or removed afterwards" in added, added
     for patch in (
         {"metadata": {"annotations": {"vramshare.io/gpu-uuid": "GPU-other"}}},
         {"metadata": {"annotations": {"vramshare.io/reservation": None}}},
