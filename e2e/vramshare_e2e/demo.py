@@ -26,7 +26,7 @@ from kubernetes.client.exceptions import ApiException
 
 from vramshare import status as status_view
 from vramshare.kube.resources import ANNOTATION_GPU_UUID, ANNOTATION_NODE, ANNOTATION_RESERVATION
-from vramshare_e2e.cluster import RUN_DURATION_ANNOTATION, ClusterSettings, LocalCluster
+from vramshare_e2e.cluster import RUN_DURATION_ANNOTATION, ClusterSettings, LocalCluster, eventually
 from vramshare_e2e.components import start_controller, start_webhook, webhook_configuration
 
 NAMESPACE = "airflow"
@@ -49,6 +49,8 @@ class Outcome:
     retry_attempts: int = 0
     hidden_pod_env: str | None = None
     released: list[str] = field(default_factory=list)
+    queued: dict[str, Any] = field(default_factory=dict)
+    """The queue-mode task: gated (bool), position, and where it was placed (gpu, waited_s)."""
     final: status_view.Status | None = None
 
 
@@ -67,10 +69,12 @@ def tasks(fast: bool) -> tuple[list[Task], Task, Task]:
     return first_wave, too_big, no_gpu
 
 
-def pod_for(task: Task) -> client.V1Pod:
+def pod_for(task: Task, *, queue: bool = False) -> client.V1Pod:
     annotations = {RUN_DURATION_ANNOTATION: f"{task.run_s:g}s", "dag_id": "demo", "task_id": task.name}
     if task.mib is not None:
         annotations["gpu-mem-mb"] = str(task.mib)
+    if queue:
+        annotations["gpu-queue"] = "true"
     return client.V1Pod(
         metadata=client.V1ObjectMeta(name=task.name, annotations=annotations, labels={"dag_id": "demo"}),
         spec=client.V1PodSpec(
@@ -235,9 +239,49 @@ class Demo:
             return any(r.pod == too_big.name and r.phase == "Bound" for r in self.status().reservations)
 
         self.cluster.wait_for(retried_bound, what=f"{too_big.name} to be bound", timeout_s=30)
+        self.queue_mode(outcome, Task(name="train-queued", mib=too_big.mib, run_s=too_big.run_s))
         self.table("Final state")
         outcome.final = self.status()
         return outcome
+
+    def queue_mode(self, outcome: Outcome, task: Task) -> None:
+        """A task in queue mode waits behind a scheduling gate instead of failing its try."""
+        self.show(
+            f"\n-- Airflow schedules {task.name} asking {task.mib} MiB in queue mode "
+            "(annotations={'gpu-queue': 'true'}): no GPU has room, so it waits instead of failing --"
+        )
+        pod = self.core.create_namespaced_pod(NAMESPACE, pod_for(task, queue=True))
+        gates = [g.name for g in pod.spec.scheduling_gates or []]
+        outcome.queued["gated"] = bool(gates)
+        self.show(f"admitted behind scheduling gate {', '.join(gates)}; its reservation is Queued")
+
+        def position() -> int | None:
+            return next(
+                (
+                    r.queue_position
+                    for r in self.status().reservations
+                    if r.pod == task.name and r.queue_position
+                ),
+                None,
+            )
+
+        outcome.queued["position"] = eventually(position, what="a queue position", timeout_s=30)
+        self.table("Queued: it holds a place, no memory")
+        started = time.monotonic()
+
+        def placed() -> Any:
+            self.table("Waiting for memory to free", force=False)  # DCGM follows the tasks that run
+            current = self.core.read_namespaced_pod(task.name, NAMESPACE)
+            return not current.spec.scheduling_gates and current
+
+        current = eventually(placed, what=f"{task.name} to be placed", timeout_s=60, interval_s=1)
+        a = current.metadata.annotations
+        outcome.queued |= {"gpu": a[ANNOTATION_GPU_UUID], "waited_s": round(time.monotonic() - started, 1)}
+        self.show(
+            f"placed by the controller after {outcome.queued['waited_s']:.0f} s -> {a[ANNOTATION_NODE]} GPU "
+            f"{a['vramshare.io/gpu-index']} ({status_view.short_uuid(a[ANNOTATION_GPU_UUID])}); gate lifted, "
+            "no try spent"
+        )
 
 
 def start_vramshare(cluster: LocalCluster) -> None:

@@ -36,6 +36,13 @@ def test_demo_scenario() -> None:
     assert outcome.retry_admitted == {"gpu": outcome.admitted["train-resnet"]["gpu"], "node": "gpu-node-a"}
     assert outcome.retry_attempts >= 1
 
+    # In queue mode the same size waits behind a gate, is shown Queued #1, and is placed on an A100 once
+    # memory frees, with no refusal.
+    assert outcome.queued["gated"] is True
+    assert outcome.queued["position"] == 1
+    a100s = {outcome.admitted["train-resnet"]["gpu"], outcome.admitted["train-bert"]["gpu"]}
+    assert outcome.queued["gpu"] in a100s
+
     assert outcome.hidden_pod_env == "none"
     assert outcome.final is not None
     phases = {r.pod: r.phase for r in outcome.final.reservations}
