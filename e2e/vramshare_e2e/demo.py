@@ -325,8 +325,9 @@ def run_demo(*, fast: bool, keep: bool, show: Callable[[str], None] = print) -> 
         outcome = Demo(cluster, fast=fast, show=show).run()
         show(
             f"\nDone: {len(outcome.admitted)} tasks admitted and placed, {len(outcome.refused)} refused with "
-            f"a message, {len(outcome.released)} released, the refused task admitted on retry "
-            f"{outcome.retry_attempts}, a CPU task hidden from GPUs."
+            f"a message (its memory held for its next try), {len(outcome.released)} released, the refused "
+            f"task admitted on retry {outcome.retry_attempts}, a queued task placed after "
+            f"{outcome.queued['waited_s']:.0f} s without a refusal, a CPU task hidden from GPUs."
         )
         if keep:
             show(
