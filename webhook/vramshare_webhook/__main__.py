@@ -12,8 +12,10 @@ import structlog
 from aiohttp import web
 
 from vramshare import logs
+from vramshare.domain.scheduling import NodeView
 from vramshare.kube.client import Connection, KubeClient
 from vramshare.kube.ledger import KubeLedger
+from vramshare.kube.pods import node_view
 from vramshare.kube.watch import WatchCache
 from vramshare.settings import SettingsError
 from vramshare_webhook.admission import Admitter
@@ -76,14 +78,17 @@ async def serve(settings: WebhookSettings) -> None:
 
         def ready() -> bool:
             # Ready once the watch caches hold the inventory and the live ledger.
-            synced = ledger.synced and namespaces.synced.is_set()
+            synced = ledger.synced and namespaces.synced.is_set() and nodes.synced.is_set()
             return synced and (secret is None or not secret.manage or secret.injected)
 
+        # Nodes: a GPU on a node the pod could never be scheduled onto is passed over.
+        nodes: WatchCache[NodeView] = WatchCache(kube, "/api/v1/nodes", decode=node_view, name="nodes")
         admitter = Admitter(
             settings=settings,
             ledger=ledger,
             metrics=metrics,
             namespace_labels=lambda namespace: namespaces.items.get(f"/{namespace}", {}),
+            nodes=lambda: nodes.items.values(),
         )
         runner = web.AppRunner(create_app(admitter=admitter, ready=ready), access_log=None)
         await runner.setup()
@@ -99,6 +104,7 @@ async def serve(settings: WebhookSettings) -> None:
         tasks = [
             asyncio.create_task(ledger.run()),
             asyncio.create_task(namespaces.run()),
+            asyncio.create_task(nodes.run()),
             asyncio.create_task(announce_sync()),
         ]
         if secret is None:

@@ -10,8 +10,8 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import structlog
@@ -32,6 +32,7 @@ from vramshare.domain import (
     refusal_message,
     retry_after_s,
 )
+from vramshare.domain.scheduling import NodeView, schedulable_nodes
 from vramshare.kube.ledger import CommitConflictError, Snapshot
 from vramshare.kube.objects import GpuReservation
 from vramshare.kube.pods import QUEUE_GATE
@@ -177,6 +178,7 @@ class Admitter:
         metrics: WebhookMetrics,
         clock: Callable[[], float] = time.time,
         namespace_labels: Callable[[str], Mapping[str, str]] = lambda namespace: {},
+        nodes: Callable[[], Iterable[NodeView]] = tuple,
     ) -> None:
         self.settings = settings
         self.ledger = ledger
@@ -184,6 +186,8 @@ class Admitter:
         self.clock = clock
         self.namespace_labels = namespace_labels
         """The labels of a namespace (from a watch cache): its queue mode."""
+        self.nodes = nodes
+        """The Node objects (from a watch cache); none known: only hostname pinning is honoured."""
 
     async def review(self, request: rv.Request) -> rv.Review:
         started = time.perf_counter()
@@ -384,6 +388,7 @@ class Admitter:
         """Decide on a snapshot and commit; `_Conflicted` when the chosen GPU's ledger moved meanwhile."""
         choosing = time.perf_counter()
         snapshot = await self.ledger.snapshot()
+        alloc = self._onto_schedulable_nodes(alloc, facts, snapshot)
         if request.name and _holds_booking(snapshot, request.namespace, request.name):
             # Confirm on a consistent view: the pod may have ended a moment ago.
             snapshot = await self.ledger.snapshot(fresh=True)
@@ -526,6 +531,18 @@ class Admitter:
         except CommitConflictError:
             return False
         return True
+
+    def _onto_schedulable_nodes(
+        self, alloc: AllocationRequest, facts: PodFacts, snapshot: Snapshot
+    ) -> AllocationRequest:
+        """Only GPUs on nodes the scheduler could bind the pod to, each other one with why not."""
+        nodes = list(self.nodes())
+        if not nodes:
+            return alloc
+        allowed, reasons = schedulable_nodes(
+            nodes, facts.node_rules, gpu_nodes=(g.node for g in snapshot.gpus)
+        )
+        return replace(alloc, nodes=allowed, node_reasons=reasons)
 
     async def _enqueue(
         self, request: rv.Request, facts: PodFacts, *, mib: int, details: dict[str, Any]

@@ -14,7 +14,8 @@ import hashlib
 from dataclasses import dataclass
 from typing import Any
 
-from vramshare.kube.pods import QUEUE_GATE, affinity_on, pinned_nodes, placement_annotations
+from vramshare.domain.scheduling import NodeRules
+from vramshare.kube.pods import QUEUE_GATE, affinity_on, node_rules, pinned_nodes, placement_annotations
 from vramshare.kube.resources import (
     ANNOTATION_GPU_INDEX,
     ANNOTATION_GPU_UUID,
@@ -271,6 +272,8 @@ class PodFacts:
     device_resources: tuple[str, ...]
     """`nvidia.com/*` resources the pod requests (device-plugin pods)."""
     pinned_nodes: frozenset[str] | None
+    node_rules: NodeRules
+    """Its node constraints, judged against the Node objects when the webhook knows them."""
     claimed_placement: Placement | None
     """The placement the pod's vramshare.io/* annotations claim: an earlier pass, or copied by a user."""
     claimed_queue_entry: str | None
@@ -315,6 +318,7 @@ def read_pod(
         memory_request=pod_annotations(pod).get(annotation),
         device_resources=tuple(requested_device_resources(pod)),
         pinned_nodes=pinned_nodes(pod),
+        node_rules=node_rules(pod),
         claimed_placement=placement_of(pod),
         overwritten=tuple(spoofed(pod)),
     )

@@ -153,7 +153,7 @@ class InventoryLoop:
         # From the watch caches: no LIST per poll.
         devices = list(self.state.devices.items.values())
         reservations = [r.to_domain() for r in self.state.reservations.items.values() if r.phase.is_active]
-        nodes = set(self.state.nodes.items.values())
+        nodes = {n.name for n in self.state.nodes.items.values()}
         now = self.clock()
         by_uuid = {d.spec.uuid: d for d in devices}
         known = []

@@ -30,11 +30,12 @@ from vramshare.controller.metrics import ControllerMetrics
 from vramshare.controller.settings import ControllerSettings
 from vramshare.controller.state import ClusterState
 from vramshare.domain import Hold, ReservationPhase, Waiting, plan_queue
+from vramshare.domain.scheduling import schedulable_nodes
 from vramshare.kube.client import ApiError, KubeClient, Obj
 from vramshare.kube.events import Event, Involved, post_event
 from vramshare.kube.ledger import CommitConflictError, KubeLedger
 from vramshare.kube.objects import GpuReservation
-from vramshare.kube.pods import gated, pinned_nodes, placement_annotations, release_patch
+from vramshare.kube.pods import gated, node_rules, placement_annotations, release_patch
 from vramshare.kube.resources import reservations_path
 
 log = structlog.get_logger("vramshare.queue")
@@ -103,6 +104,8 @@ class QueueLoop:
             return 0
         now = self.clock()
         snapshot = await self.ledger.snapshot()
+        nodes = list(self.state.nodes.items.values())
+        gpu_nodes = {g.node for g in snapshot.gpus}
         waiting = [
             Waiting(
                 key=key,
@@ -110,7 +113,8 @@ class QueueLoop:
                 pod=res.spec.pod_name,
                 mib=res.spec.memory_mib,
                 queued_at=res.meta.created_at or 0.0,
-                nodes=pinned_nodes(pod),
+                # Only nodes the scheduler could bind it to (as the webhook judges at admission).
+                nodes=schedulable_nodes(nodes, node_rules(pod), gpu_nodes=gpu_nodes)[0] if nodes else None,
             )
             for key, (res, pod) in queued.items()
         ]

@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import asyncio
 
+from vramshare.domain.scheduling import NodeView
 from vramshare.kube.client import KubeClient, Obj
 from vramshare.kube.objects import GpuDevice, GpuReservation
+from vramshare.kube.pods import node_view
 from vramshare.kube.resources import LABEL_RESERVATION, devices_path, reservations_path
 from vramshare.kube.watch import WatchCache
-
-
-def _name(obj: Obj) -> str:
-    return str(obj["metadata"]["name"])
 
 
 def _pod(obj: Obj) -> Obj:
@@ -33,7 +31,7 @@ class ClusterState:
         self.reservations: WatchCache[GpuReservation] = WatchCache(
             kube, reservations_path(), decode=GpuReservation.from_wire, name="gpureservations"
         )
-        self.nodes: WatchCache[str] = WatchCache(kube, "/api/v1/nodes", decode=_name, name="nodes")
+        self.nodes: WatchCache[NodeView] = WatchCache(kube, "/api/v1/nodes", decode=node_view, name="nodes")
         self.pods: WatchCache[Obj] = WatchCache(
             kube, "/api/v1/pods", decode=_pod, label_selector=LABEL_RESERVATION, name="pods"
         )

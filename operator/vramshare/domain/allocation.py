@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Collection, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
 from vramshare.domain.accounting import Accounting, StaleGpuMode
@@ -56,6 +56,8 @@ class GpuVerdict:
     """None when the GPU was excluded before its headroom mattered (missing, other node, ...)."""
     excluded: Exclusion | None
     sample_age_s: float
+    detail: str = ""
+    """For a GPU on a node the pod cannot go to: why (cordoned, a taint, its node affinity, ...)."""
 
     @property
     def fits(self) -> bool:
@@ -103,7 +105,7 @@ def _judge(
         return GpuVerdict(gpu=gpu, headroom=room, excluded=excluded, sample_age_s=age)
 
     if request.nodes is not None and gpu.node not in request.nodes:
-        return verdict(Exclusion.OTHER_NODE)
+        return replace(verdict(Exclusion.OTHER_NODE), detail=request.node_reasons.get(gpu.node, ""))
     if gpu.missing:
         return verdict(Exclusion.MISSING)
     if not gpu.healthy:

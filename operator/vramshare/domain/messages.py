@@ -32,7 +32,11 @@ def describe_verdict(verdict: GpuVerdict, *, max_sample_age_s: float) -> str:
         case Exclusion.UNHEALTHY:
             why = "unhealthy"
         case Exclusion.OTHER_NODE:
-            why = "on another node than the pod is pinned to"
+            why = (
+                f"node {gpu.node}: {verdict.detail}"
+                if verdict.detail
+                else "on another node than the pod is pinned to"
+            )
         case Exclusion.STALE:
             why = f"metrics stale (last sample {verdict.sample_age_s:.0f} s old, max {max_sample_age_s:g} s)"
         case _ if room is not None:
@@ -74,12 +78,9 @@ def refusal_message(refusal: Refusal, *, max_sample_age_s: float, retry_hint: st
 
     ranked = sorted(refusal.verdicts, key=relevance)
     listed = [describe_verdict(v, max_sample_age_s=max_sample_age_s) for v in ranked[:MAX_GPUS_LISTED]]
-    rest = Counter(v.excluded for v in ranked[MAX_GPUS_LISTED:])
+    rest = Counter(
+        v.detail or (v.excluded.value if v.excluded else "fitting") for v in ranked[MAX_GPUS_LISTED:]
+    )
     if rest:
-        listed.append(
-            "and "
-            + ", ".join(
-                f"{n} more {reason.value if reason else 'fitting'}" for reason, n in sorted(rest.items())
-            )
-        )
+        listed.append("and " + ", ".join(f"{n} more {why}" for why, n in sorted(rest.items())))
     return f"{head}; {best_text}. GPUs: " + "; ".join(listed) + f". {retry_hint}"

@@ -6,7 +6,8 @@ domain never reads a clock and every decision can be replayed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from enum import StrEnum
 
 
@@ -103,4 +104,6 @@ class AllocationRequest:
     pod: str
     """The pod's name (or generateName prefix) for messages."""
     nodes: frozenset[str] | None = None
-    """Set when the pod is already pinned to some nodes: only their GPUs are candidates."""
+    """Set when the pod can only go to some nodes: only their GPUs are candidates."""
+    node_reasons: Mapping[str, str] = field(default_factory=dict)
+    """Why the pod cannot go to each other node (for messages; see `vramshare.domain.scheduling`)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from vramshare.domain.scheduling import NodeRules, NodeView, Requirement, Taint, Term, Toleration
 from vramshare.kube.resources import (
     ANNOTATION_GPU_INDEX,
     ANNOTATION_GPU_UUID,
@@ -107,3 +108,71 @@ def release_patch(pod: Obj, *, annotations: dict[str, str], node: str) -> Obj:
         "metadata": {"resourceVersion": pod["metadata"]["resourceVersion"], "annotations": annotations},
         "spec": {"affinity": affinity_on(spec, node), "schedulingGates": gates or None},
     }
+
+
+def _strings(value: object) -> tuple[str, ...]:
+    return tuple(str(v) for v in value) if isinstance(value, list) else ()
+
+
+def _requirements(items: object) -> tuple[Requirement, ...]:
+    return tuple(
+        Requirement(
+            key=str(e.get("key", "")), operator=str(e.get("operator", "")), values=_strings(e.get("values"))
+        )
+        for e in (items if isinstance(items, list) else [])
+        if isinstance(e, dict)
+    )
+
+
+def node_rules(pod: Obj) -> NodeRules:
+    """The pod's node constraints, read leniently (the API server has validated real pods)."""
+    spec = pod.get("spec")
+    spec = spec if isinstance(spec, dict) else {}
+    selector = spec.get("nodeSelector")
+    required = ((spec.get("affinity") or {}).get("nodeAffinity") or {}).get(
+        "requiredDuringSchedulingIgnoredDuringExecution"
+    )
+    terms = None
+    if isinstance(required, dict):
+        terms = tuple(
+            Term(
+                expressions=_requirements(t.get("matchExpressions")),
+                fields=_requirements(t.get("matchFields")),
+            )
+            for t in required.get("nodeSelectorTerms") or []
+            if isinstance(t, dict)
+        )
+    tolerations = tuple(
+        Toleration(
+            key=str(t.get("key") or ""),
+            operator=str(t.get("operator") or "Equal"),
+            value=str(t.get("value") or ""),
+            effect=str(t.get("effect") or ""),
+        )
+        for t in spec.get("tolerations") or []
+        if isinstance(t, dict)
+    )
+    return NodeRules(
+        node_name=str(spec["nodeName"]) if spec.get("nodeName") else None,
+        node_selector={str(k): str(v) for k, v in selector.items()} if isinstance(selector, dict) else {},
+        terms=terms,
+        tolerations=tolerations,
+    )
+
+
+def node_view(node: Obj) -> NodeView:
+    """What the scheduler's filters read of a Node object."""
+    meta, spec, status = node["metadata"], node.get("spec") or {}, node.get("status") or {}
+    ready = next(
+        (c.get("status") == "True" for c in status.get("conditions") or [] if c.get("type") == "Ready"), True
+    )
+    return NodeView(
+        name=meta["name"],
+        labels=dict(meta.get("labels") or {}),
+        taints=tuple(
+            Taint(key=t.get("key", ""), value=t.get("value", "") or "", effect=t.get("effect", ""))
+            for t in spec.get("taints") or []
+        ),
+        unschedulable=bool(spec.get("unschedulable")),
+        ready=ready,
+    )
