@@ -1,0 +1,205 @@
+"""Placement the scheduler agrees with, on the real stack with real Node objects: cordon, taints with and
+without toleration, a nodeSelector on the GPU-model label, NotIn affinity, a node going NotReady. Its
+own control plane, since it cordons, taints and breaks nodes."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from kubernetes import client, config
+
+from vramshare.kube.resources import ANNOTATION_GPU_UUID, ANNOTATION_NODE
+from vramshare_e2e.cluster import LocalCluster, eventually
+from vramshare_e2e.components import start_controller, start_webhook, webhook_configuration
+
+pytestmark = pytest.mark.cluster
+
+NS = "nodes"
+T4 = "Tesla-T4"
+
+
+@pytest.fixture(scope="module")
+def stack() -> Iterator[LocalCluster]:
+    with LocalCluster.start() as local:
+        port = start_webhook(
+            local, name="webhook", env={"VRAMSHARE_SETTLE_S": "2", "VRAMSHARE_HOLD_MIN_MIB": "0"}
+        )[1]
+        local.apply_objects([webhook_configuration(local, ports={"nodes": port})])
+        local.kubectl("create", "namespace", NS)
+        local.kubectl("label", "namespace", NS, "vramshare-e2e/shard=nodes")
+        start_controller(
+            local,
+            name="controller",
+            env={"VRAMSHARE_POLL_INTERVAL_S": "1", "VRAMSHARE_LIFECYCLE_INTERVAL_S": "1"},
+        )
+        eventually(
+            lambda: (
+                len(json.loads(local.kubectl("get", "gpudevices", "-o", "json"))["items"])
+                == len(local.settings.fleet.all_gpus())
+            ),
+            what="GpuDevices",
+        )
+        yield local
+
+
+@pytest.fixture(scope="module")
+def core(stack: LocalCluster) -> client.CoreV1Api:
+    return client.CoreV1Api(config.new_client_from_config(config_file=str(stack.kubeconfig)))
+
+
+def pod(name: str, mib: int, **spec: Any) -> client.V1Pod:
+    return client.V1Pod(
+        metadata=client.V1ObjectMeta(name=name, annotations={"gpu-mem-mb": str(mib)}),
+        spec=client.V1PodSpec(
+            containers=[client.V1Container(name="base", image="example.invalid/task")],
+            restart_policy="Never",
+            **spec,
+        ),
+    )
+
+
+def node_of_product(stack: LocalCluster, product: str) -> str:
+    return next(
+        n.name for n in stack.settings.fleet.nodes if n.node_labels()["nvidia.com/gpu.product"] == product
+    )
+
+
+def scheduled_on(core: client.CoreV1Api, name: str) -> str:
+    return str(
+        eventually(
+            lambda: core.read_namespaced_pod(name, NS).spec.node_name, what=f"{name} scheduled", timeout_s=30
+        )
+    )
+
+
+def on_t4(stack: LocalCluster) -> dict[str, str]:
+    return {"nvidia.com/gpu.product": T4}
+
+
+def test_a_cordoned_node_is_passed_over_and_taken_again_once_uncordoned(
+    stack: LocalCluster, core: client.CoreV1Api
+) -> None:
+    t4 = node_of_product(stack, T4)
+    stack.kubectl("cordon", t4)
+    try:
+        message = eventually(
+            lambda: _refusal(core, pod("cordoned", 4000, node_selector=on_t4(stack))),
+            what="a refusal for the cordon",
+        )
+        assert f"node {t4}: cordoned (spec.unschedulable)" in message
+    finally:
+        stack.kubectl("uncordon", t4)
+    admitted = eventually(
+        lambda: _admitted(core, pod("uncordoned", 4000, node_selector=on_t4(stack))),
+        what="admitted once uncordoned",
+    )
+    assert admitted.metadata.annotations[ANNOTATION_NODE] == t4
+    assert scheduled_on(core, "uncordoned") == t4
+
+
+def test_a_taint_keeps_pods_off_unless_they_tolerate_it(stack: LocalCluster, core: client.CoreV1Api) -> None:
+    a100 = next(n.name for n in stack.settings.fleet.nodes if n.name != node_of_product(stack, T4))
+    stack.kubectl("taint", "node", a100, "dedicated=training:NoSchedule")
+    try:
+        message = eventually(
+            lambda: _refusal(core, pod("untolerated", 20_000)), what="a refusal for the taint"
+        )
+        assert f"node {a100}: taint dedicated=training:NoSchedule not tolerated" in message
+        tolerating = pod(
+            "tolerating",
+            20_000,
+            tolerations=[
+                client.V1Toleration(key="dedicated", operator="Equal", value="training", effect="NoSchedule")
+            ],
+        )
+        admitted = core.create_namespaced_pod(NS, tolerating)
+        assert admitted.metadata.annotations[ANNOTATION_NODE] == a100
+        assert scheduled_on(core, "tolerating") == a100  # the scheduler agrees
+    finally:
+        stack.kubectl("taint", "node", a100, "dedicated=training:NoSchedule-")
+
+
+def test_node_selector_and_not_in_affinity_on_the_gpu_model_label(
+    stack: LocalCluster, core: client.CoreV1Api
+) -> None:
+    t4 = node_of_product(stack, T4)
+    selected = core.create_namespaced_pod(NS, pod("t4-only", 2000, node_selector=on_t4(stack)))
+    assert selected.metadata.annotations[ANNOTATION_NODE] == t4
+    not_t4 = client.V1Affinity(
+        node_affinity=client.V1NodeAffinity(
+            required_during_scheduling_ignored_during_execution=client.V1NodeSelector(
+                node_selector_terms=[
+                    client.V1NodeSelectorTerm(
+                        match_expressions=[
+                            client.V1NodeSelectorRequirement(
+                                key="nvidia.com/gpu.product", operator="NotIn", values=[T4]
+                            )
+                        ]
+                    )
+                ]
+            )
+        )
+    )
+    avoided = core.create_namespaced_pod(NS, pod("not-t4", 2000, affinity=not_t4))
+    assert avoided.metadata.annotations[ANNOTATION_NODE] != t4
+    assert scheduled_on(core, "not-t4") == avoided.metadata.annotations[ANNOTATION_NODE]
+    uuids = {g.uuid for n, g in stack.settings.fleet.all_gpus() if n.name == t4}
+    assert selected.metadata.annotations[ANNOTATION_GPU_UUID] in uuids
+
+
+def test_a_node_gone_not_ready_is_passed_over(stack: LocalCluster, core: client.CoreV1Api) -> None:
+    t4 = node_of_product(stack, T4)
+    # Take the node from kwok (which would report it Ready again), then mark it NotReady as a dead
+    # kubelet would be marked.
+    stack.kubectl("annotate", "node", t4, "kwok.x-k8s.io/node-")
+    node = json.loads(stack.kubectl("get", "node", t4, "-o", "json"))
+    conditions = [
+        {**c, "status": "False", "reason": "KubeletStopped"} if c["type"] == "Ready" else c
+        for c in node["status"]["conditions"]
+    ]
+    stack.kubectl(
+        "patch",
+        "node",
+        t4,
+        "--subresource=status",
+        "--type=merge",
+        "-p",
+        json.dumps({"status": {"conditions": conditions}}),
+    )
+    try:
+        message = eventually(
+            lambda: _refusal(core, pod("not-ready", 2000, node_selector=on_t4(stack))),
+            what="a refusal for NotReady",
+        )
+        assert f"node {t4}: NotReady" in message
+    finally:
+        stack.kubectl("annotate", "node", t4, "kwok.x-k8s.io/node=fake", "--overwrite")
+    eventually(
+        lambda: _admitted(core, pod("ready-again", 2000, node_selector=on_t4(stack))),
+        what="admitted once Ready again",
+        timeout_s=60,
+    )
+
+
+def _refusal(core: client.CoreV1Api, body: client.V1Pod) -> str | None:
+    """The refusal message, or None if the pod was admitted (then it is deleted again)."""
+    try:
+        core.create_namespaced_pod(NS, body)
+    except client.ApiException as exc:
+        if exc.status != 403:
+            raise
+        return str(json.loads(exc.body)["message"])
+    core.delete_namespaced_pod(body.metadata.name, NS)
+    return None
+
+
+def _admitted(core: client.CoreV1Api, body: client.V1Pod) -> Any:
+    try:
+        return core.create_namespaced_pod(NS, body)
+    except client.ApiException as exc:
+        if exc.status != 403:
+            raise
+        return None
