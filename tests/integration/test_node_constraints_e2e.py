@@ -5,6 +5,7 @@ own control plane, since it cordons, taints and breaks nodes."""
 from __future__ import annotations
 
 import json
+import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
@@ -33,7 +34,11 @@ def stack() -> Iterator[LocalCluster]:
         start_controller(
             local,
             name="controller",
-            env={"VRAMSHARE_POLL_INTERVAL_S": "1", "VRAMSHARE_LIFECYCLE_INTERVAL_S": "1"},
+            env={
+                "VRAMSHARE_POLL_INTERVAL_S": "1",
+                "VRAMSHARE_LIFECYCLE_INTERVAL_S": "1",
+                "VRAMSHARE_UNSCHEDULABLE_WARNING_S": "3",
+            },
         )
         eventually(
             lambda: (
@@ -203,3 +208,38 @@ def _admitted(core: client.CoreV1Api, body: client.V1Pod) -> Any:
         if exc.status != 403:
             raise
         return None
+
+
+def test_a_booked_pod_that_stays_unschedulable_gets_a_warning_and_counts_in_the_metric(
+    stack: LocalCluster, core: client.CoreV1Api
+) -> None:
+    # Admitted for its GPU memory, but it also asks for more CPU than its node has: the scheduler never
+    # binds it, and its booking would hold memory in silence.
+    greedy = pod(
+        "cpu-hungry",
+        2000,
+        node_selector=on_t4(stack),
+    )
+    greedy.spec.containers[0].resources = client.V1ResourceRequirements(requests={"cpu": "100000"})
+    core.create_namespaced_pod(NS, greedy)
+
+    def warned() -> Any:
+        events = core.list_namespaced_event(NS, field_selector="involvedObject.name=cpu-hungry").items
+        return next((e for e in events if e.reason == "GpuPodUnschedulable"), None)
+
+    event = eventually(warned, what="the GpuPodUnschedulable event", timeout_s=30)
+    assert event.type == "Warning"
+    assert "2000 MiB are booked" in event.message
+    assert "Insufficient cpu" in event.message
+    port = int(stack.components["controller"].env["VRAMSHARE_METRICS_PORT"])  # type: ignore[index]
+    assert metric(port, "vramshare_unschedulable_gpu_pods") == 1.0
+    core.delete_namespaced_pod("cpu-hungry", NS)
+    eventually(lambda: metric(port, "vramshare_unschedulable_gpu_pods") == 0.0, what="the gauge back to 0")
+
+
+def metric(port: int, name: str) -> float | None:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        for line in resp.read().decode().splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+    return None

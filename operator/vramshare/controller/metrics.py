@@ -61,6 +61,11 @@ class ControllerMetrics:
             ["phase", "reason"],
             registry=self.registry,
         )
+        self.unschedulable_pods = Gauge(
+            "vramshare_unschedulable_gpu_pods",
+            "Pods with booked GPU memory that the scheduler has not placed for unschedulable_warning_s.",
+            registry=self.registry,
+        )
         self.queued = Gauge(
             "vramshare_queued_pods", "Pods waiting in the queue for GPU memory.", registry=self.registry
         )

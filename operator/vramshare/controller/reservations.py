@@ -28,7 +28,7 @@ from vramshare.domain import (
     next_phase,
 )
 from vramshare.domain.inventory import GpuPresence
-from vramshare.domain.lifecycle import belongs
+from vramshare.domain.lifecycle import belongs, stuck_unschedulable
 from vramshare.kube.client import ApiError, KubeClient, Obj
 from vramshare.kube.events import Event, Involved, post_event
 from vramshare.kube.objects import GpuReservation, OwnerRef, ReservationStatus
@@ -54,7 +54,11 @@ def pod_sighting(pod: Obj) -> PodSighting:
         if started:
             starts.append(parse_time(started))
     phase = str(status.get("phase") or "Pending")
+    scheduled: Obj = next((c for c in status.get("conditions") or [] if c.get("type") == "PodScheduled"), {})
+    unschedulable = scheduled.get("status") == "False" and scheduled.get("reason") == "Unschedulable"
     return PodSighting(
+        unschedulable_since=parse_time(scheduled.get("lastTransitionTime")) or 0.0 if unschedulable else None,
+        unschedulable_message=str(scheduled.get("message") or "") if unschedulable else "",
         name=meta["name"],
         uid=meta["uid"],
         created_at=parse_time(meta.get("creationTimestamp")) or 0.0,
@@ -217,6 +221,8 @@ class ReservationReconciler:
         self._deadlines: dict[tuple[str, str], asyncio.TimerHandle] = {}
         self._checks: set[asyncio.Task[None]] = set()
         self._announced: set[tuple[str, str]] = set()
+        self._stuck: dict[str, str] = {}
+        """Reservation key -> UID of its pod that has been unschedulable too long (warned once)."""
         """(reservation, impostor pod UID) pairs already reported, so each gets one event."""
 
     async def run(self, *, presence: Callable[[], GpuPresence]) -> None:
@@ -238,10 +244,16 @@ class ReservationReconciler:
         A conclusion that its pod is gone or never came is confirmed with a direct read first."""
         by_reservation = self.state.pods_by_reservation()
         changed = 0
-        for res in list(self.state.reservations.items.values()):
+        current = list(self.state.reservations.items.values())
+        for res in current:
             labelled = by_reservation.get((res.namespace, res.name), [])
             if await self.reconcile(res, labelled, presence=presence, confirm_absence=True):
                 changed += 1
+        gone = self._stuck.keys() - {r.key for r in current}  # deleted with their pod
+        if gone:
+            for key in gone:
+                del self._stuck[key]
+            self.metrics.unschedulable_pods.set(len(self._stuck))
         return changed
 
     async def pod_changed(self, pod: Obj, *, deleted: bool, presence: GpuPresence) -> None:
@@ -317,6 +329,7 @@ class ReservationReconciler:
         pod, impostors = genuine_pod(res.to_domain(), sightings, bound_uid=res.status.pod_uid)
         for impostor in impostors:
             await self._announce_impostor(res, impostor, now=now)
+        await self._check_schedulable(res, pod, now=now)
         the_plan = plan(
             res=res,
             pod=pod,
@@ -348,6 +361,38 @@ class ReservationReconciler:
                 pod=pod.name if pod else None,
             )
         return True
+
+    async def _check_schedulable(self, res: GpuReservation, pod: PodSighting | None, *, now: float) -> None:
+        """Warn once (event and gauge) when a booking's pod stays unschedulable: its memory is held for
+        a pod that does not run."""
+        after_s = self.settings.unschedulable_warning_s
+        if pod is None or not stuck_unschedulable(res.phase, pod, now=now, after_s=after_s):
+            if self._stuck.pop(res.key, None) is not None:
+                self.metrics.unschedulable_pods.set(len(self._stuck))
+            return
+        if self._stuck.get(res.key) == pod.uid:
+            return
+        self._stuck[res.key] = pod.uid
+        self.metrics.unschedulable_pods.set(len(self._stuck))
+        spec = res.spec
+        log.warning("booked pod unschedulable", reservation=res.key, pod=pod.name, node=spec.node_name)
+        await post_event(
+            self.kube,
+            namespace=res.namespace,
+            involved=Involved(
+                api_version="v1", kind="Pod", name=pod.name, uid=pod.uid, namespace=res.namespace
+            ),
+            event=Event(
+                type="Warning",
+                reason="GpuPodUnschedulable",
+                message=f"The pod has not been schedulable for {after_s:g} s onto node {spec.node_name}, "
+                f"where its {spec.memory_mib} MiB are booked on GPU {spec.gpu_uuid}; the memory stays booked "
+                "until the pod is deleted. The scheduler says: "
+                f"{pod.unschedulable_message or 'no reason given'}",
+            ),
+            now=now,
+            reporter=self.settings.identity,
+        )
 
     async def _announce_impostor(self, res: GpuReservation, impostor: PodSighting, *, now: float) -> None:
         key = (res.key, impostor.uid)

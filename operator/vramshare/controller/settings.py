@@ -31,6 +31,9 @@ class ControllerSettings:
     """Released, Expired and Lost reservations are deleted this long after they ended."""
     lifecycle_interval_s: float = 10.0
     """How often every reservation is checked (pod events act at once; this catches the rest)."""
+    unschedulable_warning_s: float = 60.0
+    """A booked pod the scheduler has not placed for this long gets a Warning event and counts in
+    vramshare_unschedulable_gpu_pods (its memory is held for a pod that does not run)."""
     policy: Policy = Policy.SPREAD
     """Which fitting GPU a queued pod gets (the webhook's VRAMSHARE_POLICY)."""
     queue_interval_s: float = 2.0
@@ -67,6 +70,7 @@ class ControllerSettings:
             "lease_duration_s",
             "lifecycle_interval_s",
             "queue_interval_s",
+            "unschedulable_warning_s",
             "hold_limit_s",
         ):
             if getattr(self, name) <= 0:

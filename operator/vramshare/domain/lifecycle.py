@@ -135,6 +135,22 @@ class PodSighting:
     running_since: float | None
     gpu_uuid: str | None
     """The GPU the pod's vramshare.io/gpu-uuid annotation names (vramshare's patch sets it)."""
+    unschedulable_since: float | None = None
+    """Since when the scheduler has found no node for it (PodScheduled False, Unschedulable)."""
+    unschedulable_message: str = ""
+
+
+def stuck_unschedulable(
+    phase: ReservationPhase, pod: PodSighting | None, *, now: float, after_s: float
+) -> bool:
+    """Whether a booking's pod has been unschedulable for `after_s`: its memory is held for a pod that
+    does not run (the node changed after admission, or the pod asks for something else the node lacks)."""
+    return (
+        phase is ReservationPhase.BOUND
+        and pod is not None
+        and pod.unschedulable_since is not None
+        and now - pod.unschedulable_since >= after_s
+    )
 
 
 def belongs(reservation: Reservation, pod: PodSighting, *, bound_uid: str | None) -> bool:

@@ -170,3 +170,27 @@ def test_a_hold_lapses_after_its_limit_whatever_its_pod() -> None:
     )
     assert lapsed is not None
     assert (lapsed.phase, lapsed.reason) == (ReservationPhase.EXPIRED, "HoldLapsed")
+
+
+def test_a_bound_pod_is_stuck_once_unschedulable_for_long_enough() -> None:
+    from vramshare.domain import PodSighting, PodState, ReservationPhase
+    from vramshare.domain.lifecycle import stuck_unschedulable
+
+    pending = PodSighting(
+        name="p",
+        uid="u",
+        created_at=0,
+        state=PodState.ACTIVE,
+        running_since=None,
+        gpu_uuid="GPU-a",
+        unschedulable_since=100.0,
+        unschedulable_message="0/2 nodes are available",
+    )
+    bound = ReservationPhase.BOUND
+    assert not stuck_unschedulable(bound, pending, now=159, after_s=60)
+    assert stuck_unschedulable(bound, pending, now=160, after_s=60)
+    assert not stuck_unschedulable(ReservationPhase.QUEUED, pending, now=1000, after_s=60)
+    scheduled = PodSighting(
+        name="p", uid="u", created_at=0, state=PodState.ACTIVE, running_since=None, gpu_uuid="GPU-a"
+    )
+    assert not stuck_unschedulable(bound, scheduled, now=1000, after_s=60)
