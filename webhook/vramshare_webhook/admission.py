@@ -28,6 +28,7 @@ from vramshare.domain import (
     could_ever_fit,
     gpu_to_hold,
     missing_mib,
+    model_matches,
     parse_memory_request,
     refusal_message,
     retry_after_s,
@@ -35,7 +36,7 @@ from vramshare.domain import (
 from vramshare.domain.scheduling import NodeView, schedulable_nodes
 from vramshare.kube.ledger import CommitConflictError, Snapshot
 from vramshare.kube.objects import GpuReservation
-from vramshare.kube.pods import QUEUE_GATE
+from vramshare.kube.pods import MODEL_ANNOTATION, QUEUE_GATE
 from vramshare.kube.resources import ANNOTATION_REINVOKED
 from vramshare_webhook import review as rv
 from vramshare_webhook.decision import (
@@ -349,8 +350,13 @@ class Admitter:
     async def _allocate(
         self, request: rv.Request, facts: PodFacts, *, mib: int, details: dict[str, Any], queue: bool = False
     ) -> Decision:
+        model = facts.model_request.strip() if facts.model_request is not None else None
         alloc = AllocationRequest(
-            mib=mib, namespace=request.namespace, pod=facts.display_name, nodes=facts.pinned_nodes
+            mib=mib,
+            namespace=request.namespace,
+            pod=facts.display_name,
+            nodes=facts.pinned_nodes,
+            model=model or None,
         )
         # Stop retrying conflicts a little before the answer's own deadline, to say why.
         budget = self.settings.decision_deadline_s
@@ -388,6 +394,17 @@ class Admitter:
         """Decide on a snapshot and commit; `_Conflicted` when the chosen GPU's ledger moved meanwhile."""
         choosing = time.perf_counter()
         snapshot = await self.ledger.snapshot()
+        if (
+            alloc.model is not None
+            and snapshot.gpus
+            and not any(model_matches(alloc.model, g.model) for g in snapshot.gpus)
+        ):
+            models = ", ".join(sorted({g.model for g in snapshot.gpus}))
+            return Invalid(
+                reason=Reason.INVALID_MODEL,
+                message=f'annotation "{MODEL_ANNOTATION}" is "{alloc.model}": no GPU in the fleet has that '
+                f"model; the models are: {models} (exact, or a pattern with * and ?)",
+            )
         alloc = self._onto_schedulable_nodes(alloc, facts, snapshot)
         if request.name and _holds_booking(snapshot, request.namespace, request.name):
             # Confirm on a consistent view: the pod may have ended a moment ago.
@@ -422,6 +439,7 @@ class Admitter:
                 g
                 for g in snapshot.gpus
                 if (alloc.nodes is None or g.node in alloc.nodes)
+                and model_matches(alloc.model, g.model)
                 and could_ever_fit(alloc.mib, g, settings=self.settings.allocation)
             ]
             if usable:  # it can wait for one of these; a request none could ever take is refused

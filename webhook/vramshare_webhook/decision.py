@@ -43,6 +43,7 @@ class Reason(StrEnum):
     NO_GPU_FITS = "no-gpu-fits"
     NO_GPU_FITS_NOW = "no-gpu-fits-now"
     INVALID_QUEUE_ANNOTATION = "invalid-queue-annotation"
+    INVALID_MODEL = "invalid-model"
     CONTENTION = "contention"
     DEADLINE = "deadline"
     NAME_TAKEN = "name-taken"

@@ -15,7 +15,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from vramshare.domain.scheduling import NodeRules
-from vramshare.kube.pods import QUEUE_GATE, affinity_on, node_rules, pinned_nodes, placement_annotations
+from vramshare.kube.pods import (
+    MODEL_ANNOTATION,
+    QUEUE_GATE,
+    affinity_on,
+    node_rules,
+    pinned_nodes,
+    placement_annotations,
+)
 from vramshare.kube.resources import (
     ANNOTATION_GPU_INDEX,
     ANNOTATION_GPU_UUID,
@@ -280,6 +287,8 @@ class PodFacts:
     """The queue entry they claim instead (an earlier pass in queue mode, or copied)."""
     queue_request: str | None
     """The raw value of the queue annotation; None when the pod does not carry it."""
+    model_request: str | None = None
+    """The GPU model the pod asks for (annotation gpu-model): exact, or a pattern with * and ?."""
     task: str = ""
     """The task the pod runs, the same across its Airflow tries (a hold is kept for it)."""
     task_key: str = ""
@@ -314,6 +323,7 @@ def read_pod(
         task_key=key,
         claimed_queue_entry=queued_entry_of(pod),
         queue_request=pod_annotations(pod).get(queue_annotation),
+        model_request=pod_annotations(pod).get(MODEL_ANNOTATION),
         display_name=display_name(pod),
         memory_request=pod_annotations(pod).get(annotation),
         device_resources=tuple(requested_device_resources(pod)),

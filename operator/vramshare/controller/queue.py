@@ -35,7 +35,7 @@ from vramshare.kube.client import ApiError, KubeClient, Obj
 from vramshare.kube.events import Event, Involved, post_event
 from vramshare.kube.ledger import CommitConflictError, KubeLedger
 from vramshare.kube.objects import GpuReservation
-from vramshare.kube.pods import gated, node_rules, placement_annotations, release_patch
+from vramshare.kube.pods import MODEL_ANNOTATION, gated, node_rules, placement_annotations, release_patch
 from vramshare.kube.resources import reservations_path
 
 log = structlog.get_logger("vramshare.queue")
@@ -115,6 +115,7 @@ class QueueLoop:
                 queued_at=res.meta.created_at or 0.0,
                 # Only nodes the scheduler could bind it to (as the webhook judges at admission).
                 nodes=schedulable_nodes(nodes, node_rules(pod), gpu_nodes=gpu_nodes)[0] if nodes else None,
+                model=(pod["metadata"].get("annotations") or {}).get(MODEL_ANNOTATION),
             )
             for key, (res, pod) in queued.items()
         ]

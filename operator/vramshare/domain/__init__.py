@@ -34,7 +34,7 @@ from vramshare.domain.lifecycle import (
     next_phase,
 )
 from vramshare.domain.messages import describe_verdict, refusal_message
-from vramshare.domain.models import AllocationRequest, Gpu, Reservation, ReservationPhase
+from vramshare.domain.models import AllocationRequest, Gpu, Reservation, ReservationPhase, model_matches
 from vramshare.domain.queue import Hold, QueuePlan, QueueSettings, Waiting, plan_queue
 from vramshare.domain.request import (
     DEFAULT_ANNOTATION,
@@ -80,6 +80,7 @@ __all__ = [
     "headroom",
     "is_unseen",
     "missing_mib",
+    "model_matches",
     "next_phase",
     "parse_memory_request",
     "plan_queue",

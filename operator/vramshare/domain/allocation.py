@@ -14,7 +14,7 @@ from enum import StrEnum
 from vramshare.domain.accounting import Accounting, StaleGpuMode
 from vramshare.domain.bookings import LedgerIndex
 from vramshare.domain.headroom import Headroom, booked, headroom_of
-from vramshare.domain.models import AllocationRequest, Gpu, Reservation
+from vramshare.domain.models import AllocationRequest, Gpu, Reservation, model_matches
 
 
 class Policy(StrEnum):
@@ -34,6 +34,7 @@ class Exclusion(StrEnum):
     MISSING = "missing"
     UNHEALTHY = "unhealthy"
     OTHER_NODE = "other-node"
+    OTHER_MODEL = "other-model"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -106,6 +107,8 @@ def _judge(
 
     if request.nodes is not None and gpu.node not in request.nodes:
         return replace(verdict(Exclusion.OTHER_NODE), detail=request.node_reasons.get(gpu.node, ""))
+    if not model_matches(request.model, gpu.model):
+        return verdict(Exclusion.OTHER_MODEL)
     if gpu.missing:
         return verdict(Exclusion.MISSING)
     if not gpu.healthy:

@@ -19,6 +19,7 @@ _RANK = {
     Exclusion.UNHEALTHY: 2,
     Exclusion.MISSING: 3,
     Exclusion.OTHER_NODE: 4,
+    Exclusion.OTHER_MODEL: 5,
 }
 
 
@@ -31,6 +32,8 @@ def describe_verdict(verdict: GpuVerdict, *, max_sample_age_s: float) -> str:
             why = "missing from DCGM metrics"
         case Exclusion.UNHEALTHY:
             why = "unhealthy"
+        case Exclusion.OTHER_MODEL:
+            why = f"model {gpu.model} is not the one asked for"
         case Exclusion.OTHER_NODE:
             why = (
                 f"node {gpu.node}: {verdict.detail}"

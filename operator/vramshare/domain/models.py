@@ -6,6 +6,7 @@ domain never reads a clock and every decision can be replayed.
 
 from __future__ import annotations
 
+import fnmatch
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -107,3 +108,10 @@ class AllocationRequest:
     """Set when the pod can only go to some nodes: only their GPUs are candidates."""
     node_reasons: Mapping[str, str] = field(default_factory=dict)
     """Why the pod cannot go to each other node (for messages; see `vramshare.domain.scheduling`)."""
+    model: str | None = None
+    """Only GPUs whose model (as DCGM reports it) matches this: exact, or a pattern with * and ?."""
+
+
+def model_matches(pattern: str | None, model: str) -> bool:
+    """Whether a GPU model matches a `gpu-model` request (None: any); `*` and `?` are wildcards."""
+    return pattern is None or fnmatch.fnmatchcase(model, pattern)

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from vramshare.domain.allocation import AllocationSettings, Choice, GpuVerdict, choose
 from vramshare.domain.bookings import LedgerIndex
 from vramshare.domain.fairness import closest_to_fitting, could_ever_fit
-from vramshare.domain.models import AllocationRequest, Gpu, Reservation, ReservationPhase
+from vramshare.domain.models import AllocationRequest, Gpu, Reservation, ReservationPhase, model_matches
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -37,6 +37,7 @@ class Waiting:
     mib: int
     queued_at: float
     nodes: frozenset[str] | None = None
+    model: str | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -93,7 +94,7 @@ def plan_queue(
     new_hold: Hold | None = None
     for w in queue_order(waiting):
         held = new_hold.gpu_uuid if new_hold is not None else None
-        request = AllocationRequest(mib=w.mib, namespace=w.namespace, pod=w.pod, nodes=w.nodes)
+        request = AllocationRequest(mib=w.mib, namespace=w.namespace, pod=w.pod, nodes=w.nodes, model=w.model)
         decision = None
         if max((r for u, r in rooms.items() if u != held), default=-1) >= w.mib:
             candidates = [g for g in gpus if g.uuid != held]
@@ -118,7 +119,9 @@ def plan_queue(
                 )
                 continue
         left.append(w)
-        if new_hold is None and any(could_ever_fit(w.mib, g, settings=settings) for g in gpus):
+        if new_hold is None and any(
+            could_ever_fit(w.mib, g, settings=settings) and model_matches(w.model, g.model) for g in gpus
+        ):
             # No hold yet, so `decision` (if any) judged every GPU: its verdicts serve the hold.
             if decision is None:
                 decision = choose(request, gpus, (), settings=settings, now=now, index=index)

@@ -22,6 +22,8 @@ from vramshare.kube.resources import (
 Obj = dict[str, Any]
 
 HOSTNAME_LABEL = "kubernetes.io/hostname"
+MODEL_ANNOTATION = "gpu-model"
+"""The pod annotation asking for a GPU model as DCGM reports it: exact, or a pattern with * and ?."""
 QUEUE_GATE = "vramshare.io/gpu-memory"
 """The scheduling gate a queued pod waits behind until the controller has booked a GPU for it."""
 

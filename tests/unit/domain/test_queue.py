@@ -181,3 +181,20 @@ def test_never_overbooks_never_places_twice_and_keeps_the_hold_for_the_head(
         for w, c in plan.placements:
             if c.gpu.uuid == plan.hold.gpu_uuid:
                 assert order.index(w.key) < order.index(head)
+
+
+def test_a_waiting_pod_asking_for_a_model_is_placed_only_on_that_model() -> None:
+    from dataclasses import replace as _replace
+
+    t4 = _replace(gpu("GPU-t4", total=16_000), model="Tesla T4")
+    a100 = _replace(gpu("GPU-a100", index=1, total=40_000), model="NVIDIA A100")
+    plan = plan_queue(
+        [_replace(waiting("wants-t4", 8000, at=1), model="Tesla*")],
+        [a100, t4],
+        [],
+        settings=SETTINGS,
+        queue=QUEUE,
+        hold=None,
+        now=NOW,
+    )
+    assert [c.gpu.uuid for _, c in plan.placements] == ["GPU-t4"]

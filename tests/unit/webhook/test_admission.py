@@ -469,3 +469,28 @@ async def test_retry_after_follows_how_fast_memory_frees() -> None:
     busy = await webhook.review(request("8000", uid="u2"))
     assert busy["response"]["status"]["details"]["retryAfterSeconds"] == 10
     assert "retry after 10 s" in busy["response"]["status"]["message"]
+
+
+async def test_the_gpu_model_annotation_selects_gpus_and_an_unknown_model_is_a_400() -> None:
+    ledger = MemoryLedger()
+    ledger.gpus = (
+        replace(gpu("GPU-a", total=16_384), model="Tesla T4"),
+        replace(gpu("GPU-b", index=1, total=40_960), model="NVIDIA A100-SXM4-40GB"),
+    )
+    webhook = admitter(ledger)
+    exact = await webhook.review(request("2000", annotations={"gpu-model": "Tesla T4"}))
+    assert exact["response"]["allowed"]
+    assert ledger.objects[-1].spec.gpu_uuid == "GPU-a"  # spread alone would have taken the larger A100
+    pattern = await webhook.review(request("2000", uid="u2", annotations={"gpu-model": "NVIDIA A100*"}))
+    assert pattern["response"]["allowed"]
+    assert ledger.objects[-1].spec.gpu_uuid == "GPU-b"
+    unknown = await webhook.review(request("2000", uid="u3", annotations={"gpu-model": "*H100*"}))
+    assert unknown["response"]["status"]["code"] == 400
+    assert unknown["response"]["status"]["message"] == (
+        'annotation "gpu-model" is "*H100*": no GPU in the fleet has that model; the models are: '
+        "NVIDIA A100-SXM4-40GB, Tesla T4 (exact, or a pattern with * and ?)"
+    )
+    # A model that exists but has no room now is an ordinary refusal, naming why the others were passed over.
+    full = await webhook.review(request("20000", uid="u4", annotations={"gpu-model": "Tesla T4"}))
+    assert full["response"]["status"]["code"] == 403
+    assert "model NVIDIA A100-SXM4-40GB is not the one asked for" in full["response"]["status"]["message"]
