@@ -243,3 +243,27 @@ def metric(port: int, name: str) -> float | None:
             if line.startswith(name + " "):
                 return float(line.split()[1])
     return None
+
+
+def test_the_gpu_model_annotation_on_the_real_stack(stack: LocalCluster, core: client.CoreV1Api) -> None:
+    t4 = node_of_product(stack, T4)
+    picked = client.V1Pod(
+        metadata=client.V1ObjectMeta(
+            name="wants-t4", annotations={"gpu-mem-mb": "2000", "gpu-model": "Tesla*"}
+        ),
+        spec=client.V1PodSpec(containers=[client.V1Container(name="base", image="example.invalid/task")]),
+    )
+    admitted = core.create_namespaced_pod(NS, picked)
+    assert admitted.metadata.annotations[ANNOTATION_NODE] == t4
+    unknown = client.V1Pod(
+        metadata=client.V1ObjectMeta(
+            name="wants-h100", annotations={"gpu-mem-mb": "2000", "gpu-model": "*H100*"}
+        ),
+        spec=client.V1PodSpec(containers=[client.V1Container(name="base", image="example.invalid/task")]),
+    )
+    with pytest.raises(client.ApiException) as exc:
+        core.create_namespaced_pod(NS, unknown)
+    assert exc.value.status == 400
+    message = json.loads(exc.value.body)["message"]
+    assert 'annotation "gpu-model" is "*H100*": no GPU in the fleet has that model' in message
+    assert "NVIDIA A100-SXM4-40GB, Tesla T4" in message
