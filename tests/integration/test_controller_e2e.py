@@ -201,7 +201,7 @@ def test_overuse_raises_a_condition_and_one_event_and_clears(
     ]
     assert len(warnings) == 1
     assert "jobs/greedy" in warnings[0].message
-    assert "uses 5000 MiB, 2488 MiB more than its reservations (2000 MiB)" in warnings[0].message
+    assert "uses 5000 MiB, 2488 MiB more than its pods' reservations (2000 MiB)" in warnings[0].message
     stack.exporter.set_used(uuid, 1_500)
     eventually(lambda: overused() == "False", what="MemoryOverused cleared", timeout_s=10)
     core.delete_namespaced_pod("greedy", "jobs")

@@ -218,12 +218,12 @@ class InventoryLoop:
             )
         was_over = _overused(previous)
         if judged.overused_mib > 0 and not was_over:
-            pods = sorted(
-                f"{r.namespace}/{r.pod}" for r in reservations if r.is_active and r.gpu_uuid == gpu.uuid
-            )
+            # Pods, not holds: a hold keeps memory for a task that does not run yet.
+            running = [r for r in reservations if r.is_active and r.gpu_uuid == gpu.uuid and not r.held_for]
+            pods = sorted(f"{r.namespace}/{r.pod}" for r in running)
             message = (
-                f"GPU {gpu.label} uses {gpu.used_mib} MiB, {judged.overused_mib} MiB more than its "
-                f"reservations ({judged.headroom.reserved_mib} MiB) plus the margin; pods on it: "
+                f"GPU {gpu.label} uses {gpu.used_mib} MiB, {judged.overused_mib} MiB more than its pods' "
+                f"reservations ({sum(r.mib for r in running)} MiB) plus the margin; pods on it: "
                 f"{', '.join(pods) or 'none booked (a process vramshare does not know)'}"
             )
             log.warning(
