@@ -560,6 +560,8 @@ class Admitter:
         allowed, reasons = schedulable_nodes(
             nodes, facts.node_rules, gpu_nodes=(g.node for g in snapshot.gpus)
         )
+        if not reasons:
+            return alloc  # every GPU node will do
         return replace(alloc, nodes=allowed, node_reasons=reasons)
 
     async def _enqueue(
