@@ -73,6 +73,10 @@ def decode(body: bytes, *, content_type: str) -> Request:
         review = json.loads(body)
     except (ValueError, UnicodeDecodeError) as exc:
         raise BadRequestError(f"body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise BadRequestError(f"body nests more than {MAX_DEPTH} levels deep") from None
+    if _deeper_than(review, MAX_DEPTH):
+        raise BadRequestError(f"body nests more than {MAX_DEPTH} levels deep")
     if not isinstance(review, dict) or review.get("kind") != "AdmissionReview":
         raise BadRequestError("body is not an AdmissionReview")
     if review.get("apiVersion") != "admission.k8s.io/v1":
@@ -103,11 +107,29 @@ def decode(body: bytes, *, content_type: str) -> Request:
     )
 
 
+MAX_DEPTH = 100
+"""Real AdmissionReviews of pods nest a few dozen levels at most; deeper bodies are refused before any
+code walks them (and before Python's recursion limit turns one into an internal error)."""
+
+
+def _deeper_than(value: object, limit: int) -> bool:
+    """Whether `value` nests more than `limit` levels of objects and arrays (iteratively: no recursion)."""
+    stack: list[tuple[object, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict | list):
+            if depth > limit:
+                return True
+            children = item.values() if isinstance(item, dict) else item
+            stack.extend((child, depth + 1) for child in children if isinstance(child, dict | list))
+    return False
+
+
 def request_uid(body: bytes) -> str:
     """The request UID of a body that failed later on, best effort, so an errored answer can echo it."""
     try:
         uid = json.loads(body)["request"]["uid"]
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError, RecursionError):
         return ""
     return uid if isinstance(uid, str) else ""
 

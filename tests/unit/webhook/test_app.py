@@ -94,3 +94,20 @@ async def test_one_log_line_per_decision_with_its_facts() -> None:
     )
     assert line["gpu"] == "GPU-a"
     assert line["duration_ms"] >= 0
+
+
+async def test_deeply_nested_bodies_are_a_400_not_a_500() -> None:
+    deep_object = json.loads(review_body())
+    nested: dict[str, object] = {}
+    deep_object["request"]["object"]["spec"]["extra"] = nested
+    for _ in range(150):
+        nested["x"] = {}
+        nested = nested["x"]  # type: ignore[assignment]
+    app = create_app(admitter=admitter(MemoryLedger()), ready=lambda: True)
+    async with TestClient(TestServer(app)) as http:
+        for body in (b"[" * 1001, b"[" * 100_000, json.dumps(deep_object).encode()):
+            resp = await http.post("/mutate", data=body, headers={"Content-Type": "application/json"})
+            assert resp.status == 400
+            assert (await resp.json())["error"] == "body nests more than 100 levels deep"
+        resp = await http.post("/mutate", data=review_body(), headers={"Content-Type": "application/json"})
+        assert resp.status == 200
