@@ -174,6 +174,10 @@ def test_a_queued_pod_waits_gated_and_is_placed_within_seconds_of_memory_freeing
     uuid = placed.metadata.annotations[ANNOTATION_GPU_UUID]
     node = next(n for n, g in stack.settings.fleet.all_gpus() if g.uuid == uuid)
     assert capacity(stack)[uuid] >= 20_000
+    # The budget that depends on the GPU, for the variables the pod reads from it: 20000 of 40960 MiB.
+    assert placed.metadata.annotations["vramshare.io/gpu-memory-fraction"] == "0.48"
+    env = {e.name: e for e in placed.spec.containers[0].env}
+    assert env["VRAMSHARE_GPU_MEMORY_MIB"].value == "20000"
     terms = placed.spec.affinity.node_affinity.required_during_scheduling_ignored_during_execution
     assert terms.node_selector_terms[0].match_expressions[0].values == [node.name]
     bound = eventually(

@@ -62,12 +62,11 @@ async def serve(settings: WebhookSettings) -> None:
             on_consistent_read=metrics.consistent_reads.inc,
         )
         tls, secret = await _certificates(settings, kube)
-        # Namespaces that choose queue mode (or opt out of it) by label.
+        # Namespaces choose queue mode and guardrails by label.
         namespaces: WatchCache[dict[str, str]] = WatchCache(
             kube,
             "/api/v1/namespaces",
             decode=lambda o: dict(o["metadata"].get("labels") or {}),
-            label_selector=settings.queue_namespace_label,
             name="namespaces",
         )
 

@@ -33,10 +33,17 @@ from vramshare.domain import (
     refusal_message,
     retry_after_s,
 )
+from vramshare.domain.guardrails import BUDGET_MIB, TF_GROWTH, guardrail_env
 from vramshare.domain.scheduling import NodeView, schedulable_nodes
 from vramshare.kube.ledger import CommitConflictError, Snapshot
 from vramshare.kube.objects import GpuReservation
-from vramshare.kube.pods import MODEL_ANNOTATION, QUEUE_GATE
+from vramshare.kube.pods import (
+    GUARDRAILS_ANNOTATION,
+    GUARDRAILS_NAMESPACE_LABEL,
+    MODEL_ANNOTATION,
+    MPS_LABEL,
+    QUEUE_GATE,
+)
 from vramshare.kube.resources import ANNOTATION_REINVOKED
 from vramshare_webhook import review as rv
 from vramshare_webhook.decision import (
@@ -61,6 +68,7 @@ from vramshare_webhook.pod import (
     PodFacts,
     display_name,
     hide_gpus_patch,
+    literal_env,
     placement_patch,
     queue_patch,
     read_pod,
@@ -263,45 +271,104 @@ class Admitter:
         queue = self._queue_mode(request.namespace, facts)
         if isinstance(queue, Invalid):
             return queue
+        guard = self._guardrails(request.namespace, facts)
+        if isinstance(guard, Invalid):
+            return guard
         details: dict[str, Any] = {"mib": mib}
         if facts.overwritten:
             details["overwritten"] = list(facts.overwritten)
         earlier = await self._earlier_pass(request, facts, mib=mib, details=details, queue=queue)
         if isinstance(earlier, Placement):
+            gpu = next((g for g in (await self.ledger.snapshot()).gpus if g.uuid == earlier.gpu_uuid), None)
             return Admit(
                 placement=earlier,
-                patch=placement_patch(pod, earlier),
+                patch=placement_patch(
+                    pod, earlier, guardrails=self._budget(mib, gpu) if guard and gpu is not None else None
+                ),
                 reason=Reason.REINVOCATION,
                 details=details,
             )
         if earlier is not None:  # its queue entry
-            return self._queued(request, facts, entry=earlier, mib=mib, details=details)
-        return await self._allocate(request, facts, mib=mib, details=details, queue=queue)
+            return self._queued(request, facts, entry=earlier, mib=mib, details=details, guard=guard)
+        return await self._allocate(request, facts, mib=mib, details=details, queue=queue, guard=guard)
+
+    def _budget(self, mib: int, gpu: Gpu) -> Callable[[dict[str, Any]], dict[str, str]]:
+        """Each container's budget variables on `gpu` (see `vramshare.domain.guardrails`)."""
+        mps = any(n.name == gpu.node and n.labels.get(MPS_LABEL) == "true" for n in self.nodes())
+        return lambda container: guardrail_env(
+            mib=mib, total_mib=gpu.total_mib, mps=mps, user=literal_env(container)
+        )
 
     def _queue_mode(self, namespace: str, facts: PodFacts) -> bool | Invalid:
         """Whether a pod that does not fit now waits: its annotation, else its namespace's label, else
         the default."""
+        return self._opted(
+            namespace,
+            facts.queue_request,
+            annotation=self.settings.queue_annotation,
+            label=self.settings.queue_namespace_label,
+            default=self.settings.queue_by_default,
+            reason=Reason.INVALID_QUEUE_ANNOTATION,
+            meaning=('"true" (wait for a GPU)', '"false" (refuse when none fits now)'),
+        )
+
+    def _guardrails(self, namespace: str, facts: PodFacts) -> bool | Invalid:
+        """Whether the pod is told its memory budget (see `vramshare.domain.guardrails`)."""
+        return self._opted(
+            namespace,
+            facts.guardrails_request,
+            annotation=GUARDRAILS_ANNOTATION,
+            label=GUARDRAILS_NAMESPACE_LABEL,
+            default=self.settings.guardrails_by_default,
+            reason=Reason.INVALID_GUARDRAILS_ANNOTATION,
+            meaning=('"true" (set the budget variables)', '"false" (leave them to the pod)'),
+        )
+
+    def _opted(
+        self,
+        namespace: str,
+        value: str | None,
+        *,
+        annotation: str,
+        label: str,
+        default: bool,
+        reason: Reason,
+        meaning: tuple[str, str],
+    ) -> bool | Invalid:
+        """A per-pod choice: the pod's annotation, else its namespace's label, else the default."""
         choices = {"true": True, "false": False}
-        if facts.queue_request is not None:
-            value = choices.get(facts.queue_request.strip().lower())
-            if value is None:
+        if value is not None:
+            chosen = choices.get(value.strip().lower())
+            if chosen is None:
                 return Invalid(
-                    reason=Reason.INVALID_QUEUE_ANNOTATION,
-                    message=f'annotation "{self.settings.queue_annotation}" is "{facts.queue_request}": '
-                    'accepted values are "true" (wait for a GPU) and "false" (refuse when none fits now)',
+                    reason=reason,
+                    message=f'annotation "{annotation}" is "{value}": accepted values are {meaning[0]} and '
+                    f"{meaning[1]}",
                 )
-            return value
-        label = self.namespace_labels(namespace).get(self.settings.queue_namespace_label)
-        if label is not None and label.strip().lower() in choices:
-            return choices[label.strip().lower()]
-        return self.settings.queue_by_default
+            return chosen
+        labelled = self.namespace_labels(namespace).get(label)
+        if labelled is not None and labelled.strip().lower() in choices:
+            return choices[labelled.strip().lower()]
+        return default
 
     def _queued(
-        self, request: rv.Request, facts: PodFacts, *, entry: str, mib: int, details: dict[str, Any]
+        self,
+        request: rv.Request,
+        facts: PodFacts,
+        *,
+        entry: str,
+        mib: int,
+        details: dict[str, Any],
+        guard: bool,
     ) -> Queue:
+        def known_now(container: dict[str, Any]) -> dict[str, str]:
+            """Before the GPU is chosen only the booked MiB is known; the rest comes with the placement."""
+            env = guardrail_env(mib=mib, total_mib=0, mps=False, user=literal_env(container))
+            return {k: env[k] for k in (TF_GROWTH, BUDGET_MIB)}
+
         return Queue(
             entry=entry,
-            patch=queue_patch(request.object, reservation=entry),
+            patch=queue_patch(request.object, reservation=entry, guardrails=known_now if guard else None),
             message=(
                 f"vramshare: no GPU has {mib} MiB free now; pod {request.namespace}/{facts.display_name} "
                 f"waits in the queue as GpuReservation {entry} behind scheduling gate {QUEUE_GATE} until "
@@ -348,7 +415,14 @@ class Admitter:
         return placement if placement is not None else name
 
     async def _allocate(
-        self, request: rv.Request, facts: PodFacts, *, mib: int, details: dict[str, Any], queue: bool = False
+        self,
+        request: rv.Request,
+        facts: PodFacts,
+        *,
+        mib: int,
+        details: dict[str, Any],
+        queue: bool = False,
+        guard: bool = False,
     ) -> Decision:
         model = facts.model_request.strip() if facts.model_request is not None else None
         alloc = AllocationRequest(
@@ -369,7 +443,7 @@ class Admitter:
             # No lock: a decision joins this process's view before its commit's first await, so the
             # next one counts it; replicas race, and the commit's precondition settles that.
             decision = await self._attempt(
-                request, facts, alloc=alloc, details=tried, avoid=avoid, queue=queue
+                request, facts, alloc=alloc, details=tried, avoid=avoid, queue=queue, guard=guard
             )
             if not isinstance(decision, _Conflicted):
                 return decision
@@ -390,6 +464,7 @@ class Admitter:
         details: dict[str, Any],
         avoid: frozenset[str],
         queue: bool = False,
+        guard: bool = False,
     ) -> Decision | _Conflicted:
         """Decide on a snapshot and commit; `_Conflicted` when the chosen GPU's ledger moved meanwhile."""
         choosing = time.perf_counter()
@@ -443,14 +518,16 @@ class Admitter:
                 and could_ever_fit(alloc.mib, g, settings=self.settings.allocation)
             ]
             if usable:  # it can wait for one of these; a request none could ever take is refused
-                return await self._enqueue(request, facts, mib=alloc.mib, details=details)
+                return await self._enqueue(request, facts, mib=alloc.mib, details=details, guard=guard)
         if not isinstance(decision, Choice):
             return await self._refuse(request, facts, decision, snapshot=snapshot, details=details)
         gpu = decision.gpu
         name = reservation_name(request.object)
         placement = Placement(reservation=name, gpu_uuid=gpu.uuid, gpu_index=gpu.index, node=gpu.node)
         admitted = {**details, "headroom_mib": decision.headroom.headroom_mib}
-        patch = placement_patch(request.object, placement)
+        patch = placement_patch(
+            request.object, placement, guardrails=self._budget(alloc.mib, gpu) if guard else None
+        )
         if request.dry_run:
             return Admit(placement=placement, patch=patch, reason=Reason.DRY_RUN, details=admitted)
         booking = GpuReservation.new(
@@ -565,7 +642,7 @@ class Admitter:
         return replace(alloc, nodes=allowed, node_reasons=reasons)
 
     async def _enqueue(
-        self, request: rv.Request, facts: PodFacts, *, mib: int, details: dict[str, Any]
+        self, request: rv.Request, facts: PodFacts, *, mib: int, details: dict[str, Any], guard: bool
     ) -> Queue:
         name = reservation_name(request.object)
         if not request.dry_run:
@@ -579,7 +656,7 @@ class Admitter:
                     user=request.username,
                 )
             )
-        return self._queued(request, facts, entry=name, mib=mib, details=details)
+        return self._queued(request, facts, entry=name, mib=mib, details=details, guard=guard)
 
     def _contention(
         self, request: rv.Request, facts: PodFacts, *, mib: int, details: dict[str, Any]

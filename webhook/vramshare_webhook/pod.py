@@ -11,11 +11,14 @@ operation each, which is simpler to get right than editing entries in place.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from vramshare.domain.scheduling import NodeRules
 from vramshare.kube.pods import (
+    ANNOTATED_GUARDRAILS,
+    GUARDRAILS_ANNOTATION,
     MODEL_ANNOTATION,
     QUEUE_GATE,
     affinity_on,
@@ -179,12 +182,25 @@ def spoofed(pod: Obj) -> list[str]:
     return found
 
 
-def placement_patch(pod: Obj, placement: Placement) -> list[Operation]:
-    """The JSON Patch that puts `pod` on `placement`'s GPU."""
+def literal_env(container: Obj) -> dict[str, str]:
+    """The container's env variables that have a literal value."""
+    return {
+        str(e["name"]): str(e["value"])
+        for e in container.get("env") or []
+        if isinstance(e, dict) and "name" in e and isinstance(e.get("value"), str)
+    }
+
+
+def placement_patch(
+    pod: Obj, placement: Placement, *, guardrails: Callable[[Obj], dict[str, str]] | None = None
+) -> list[Operation]:
+    """The JSON Patch that puts `pod` on `placement`'s GPU; `guardrails` gives each container's budget
+    variables (see `vramshare.domain.guardrails`)."""
     ops: list[Operation] = []
     env = {VISIBLE_DEVICES: placement.gpu_uuid, CUDA_DEVICES: "0"}
     for key, i, c in _containers(pod):
-        ops.append({"op": "add", "path": pointer("spec", key, i, "env"), "value": _with_env(c, env)})
+        values = {**(guardrails(c) if guardrails is not None else {}), **env}
+        ops.append({"op": "add", "path": pointer("spec", key, i, "env"), "value": _with_env(c, values)})
     ops.append(
         {
             "op": "add",
@@ -221,21 +237,33 @@ def _marking(pod: Obj, *, annotations: dict[str, str], reservation: str) -> list
     ]
 
 
-def queue_patch(pod: Obj, *, reservation: str) -> list[Operation]:
+def _from_annotation(name: str, annotation: str) -> Obj:
+    return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": f"metadata.annotations['{annotation}']"}}}
+
+
+def queue_patch(
+    pod: Obj, *, reservation: str, guardrails: Callable[[Obj], dict[str, str]] | None = None
+) -> list[Operation]:
     """The JSON Patch that makes `pod` wait in the queue: vramshare's scheduling gate, and an environment
     that the kubelet resolves from the pod's annotations when the container starts, after the
-    controller has written the chosen GPU there and lifted the gate."""
-    env: list[Obj] = [
-        {
-            "name": VISIBLE_DEVICES,
-            "valueFrom": {"fieldRef": {"fieldPath": f"metadata.annotations['{ANNOTATION_GPU_UUID}']"}},
-        },
-        {"name": CUDA_DEVICES, "value": "0"},
-    ]
-    ops: list[Operation] = [
-        {"op": "add", "path": pointer("spec", key, i, "env"), "value": _with_env_entries(c, env)}
-        for key, i, c in _containers(pod)
-    ]
+    controller has written the chosen GPU there and lifted the gate. With `guardrails` (the budget
+    known before the GPU is: the booked MiB), the fractions and the MPS limit come from annotations the
+    controller writes with the placement; a container that sets them itself keeps its own."""
+    ops: list[Operation] = []
+    for key, i, c in _containers(pod):
+        env: list[Obj] = [
+            _from_annotation(VISIBLE_DEVICES, ANNOTATION_GPU_UUID),
+            {"name": CUDA_DEVICES, "value": "0"},
+        ]
+        if guardrails is not None:
+            own = {str(e.get("name")) for e in c.get("env") or [] if isinstance(e, dict)}
+            env += [{"name": k, "value": v} for k, v in guardrails(c).items()]
+            env += [
+                _from_annotation(name, annotation)
+                for name, annotation in ANNOTATED_GUARDRAILS.items()
+                if name not in own
+            ]
+        ops.append({"op": "add", "path": pointer("spec", key, i, "env"), "value": _with_env_entries(c, env)})
     gates = [
         g
         for g in pod.get("spec", {}).get("schedulingGates") or []
@@ -287,6 +315,8 @@ class PodFacts:
     """The queue entry they claim instead (an earlier pass in queue mode, or copied)."""
     queue_request: str | None
     """The raw value of the queue annotation; None when the pod does not carry it."""
+    guardrails_request: str | None = None
+    """The raw value of the annotation gpu-guardrails."""
     model_request: str | None = None
     """The GPU model the pod asks for (annotation gpu-model): exact, or a pattern with * and ?."""
     task: str = ""
@@ -324,6 +354,7 @@ def read_pod(
         claimed_queue_entry=queued_entry_of(pod),
         queue_request=pod_annotations(pod).get(queue_annotation),
         model_request=pod_annotations(pod).get(MODEL_ANNOTATION),
+        guardrails_request=pod_annotations(pod).get(GUARDRAILS_ANNOTATION),
         display_name=display_name(pod),
         memory_request=pod_annotations(pod).get(annotation),
         device_resources=tuple(requested_device_resources(pod)),

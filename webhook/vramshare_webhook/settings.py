@@ -67,6 +67,11 @@ class WebhookSettings:
     """The pod annotation that chooses queue mode for one pod: "true" or "false"."""
     queue_namespace_label: str = "vramshare.io/queue"
     """The namespace label that chooses queue mode for a namespace: "true" or "false"."""
+    guardrails_by_default: bool = True
+    """Tell the frameworks in admitted pods their memory budget (TF_FORCE_GPU_ALLOW_GROWTH,
+    XLA_PYTHON_CLIENT_MEM_FRACTION, VRAMSHARE_GPU_MEMORY_MIB/_FRACTION, the MPS limit on MPS nodes)
+    unless the pod's annotation gpu-guardrails or its namespace label vramshare.io/guardrails says
+    "false"."""
     hide_gpus: bool = True
     """Give pods without the annotation NVIDIA_VISIBLE_DEVICES=none (only managed namespaces reach it)."""
     decision_deadline_s: float = 8.0

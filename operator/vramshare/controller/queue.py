@@ -30,13 +30,23 @@ from vramshare.controller.metrics import ControllerMetrics
 from vramshare.controller.settings import ControllerSettings
 from vramshare.controller.state import ClusterState
 from vramshare.domain import Hold, ReservationPhase, Waiting, plan_queue
+from vramshare.domain.guardrails import fraction_of
 from vramshare.domain.scheduling import schedulable_nodes
 from vramshare.kube.client import ApiError, KubeClient, Obj
 from vramshare.kube.events import Event, Involved, post_event
 from vramshare.kube.ledger import CommitConflictError, KubeLedger
 from vramshare.kube.objects import GpuReservation
-from vramshare.kube.pods import MODEL_ANNOTATION, gated, node_rules, placement_annotations, release_patch
-from vramshare.kube.resources import reservations_path
+from vramshare.kube.pods import (
+    ANNOTATION_FRACTION,
+    ANNOTATION_MPS_LIMIT,
+    MODEL_ANNOTATION,
+    MPS_LABEL,
+    gated,
+    node_rules,
+    placement_annotations,
+    release_patch,
+)
+from vramshare.kube.resources import device_name, reservations_path
 
 log = structlog.get_logger("vramshare.queue")
 
@@ -164,15 +174,24 @@ class QueueLoop:
         """Write the placement into the gated pod and lift the gate (read again once if it changed)."""
         meta = pod["metadata"]
         path = f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}"
+        spec = res.spec
+        annotations = placement_annotations(
+            reservation=res.name,
+            gpu_uuid=spec.gpu_uuid,
+            gpu_index=spec.gpu_index,
+            node=spec.node_name,
+        )
+        # The budget variables that depend on the GPU read these (see vramshare.domain.guardrails).
+        device = self.ledger.devices.items.get(f"/{device_name(spec.gpu_uuid)}")
+        gpu = device.to_domain() if device is not None else None
+        node = self.state.nodes.items.get(f"/{spec.node_name}")
+        mps = node is not None and node.labels.get(MPS_LABEL) == "true"
+        annotations[ANNOTATION_FRACTION] = (
+            f"{fraction_of(spec.memory_mib, gpu.total_mib):.2f}" if gpu is not None else "1.00"
+        )
+        annotations[ANNOTATION_MPS_LIMIT] = f"0={spec.memory_mib}M" if mps else ""
         for _ in range(3):
             try:
-                spec = res.spec
-                annotations = placement_annotations(
-                    reservation=res.name,
-                    gpu_uuid=spec.gpu_uuid,
-                    gpu_index=spec.gpu_index,
-                    node=spec.node_name,
-                )
                 await self.kube.merge_patch(
                     path, release_patch(pod, annotations=annotations, node=spec.node_name)
                 )

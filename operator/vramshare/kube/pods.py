@@ -25,6 +25,18 @@ HOSTNAME_LABEL = "kubernetes.io/hostname"
 MODEL_ANNOTATION = "gpu-model"
 """The pod annotation asking for a GPU model as DCGM reports it: exact, or a pattern with * and ?."""
 QUEUE_GATE = "vramshare.io/gpu-memory"
+GUARDRAILS_ANNOTATION = "gpu-guardrails"
+GUARDRAILS_NAMESPACE_LABEL = "vramshare.io/guardrails"
+MPS_LABEL = "nvidia.com/mps.capable"
+"""Node label (GPU feature discovery) of nodes running the CUDA MPS control daemon."""
+ANNOTATION_FRACTION = "vramshare.io/gpu-memory-fraction"
+ANNOTATION_MPS_LIMIT = "vramshare.io/mps-memory-limit"
+ANNOTATED_GUARDRAILS = {
+    "VRAMSHARE_GPU_MEMORY_FRACTION": ANNOTATION_FRACTION,
+    "XLA_PYTHON_CLIENT_MEM_FRACTION": ANNOTATION_FRACTION,
+    "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": ANNOTATION_MPS_LIMIT,
+}
+"""In queue mode: the budget variables that depend on the GPU, read from what the controller writes."""
 """The scheduling gate a queued pod waits behind until the controller has booked a GPU for it."""
 
 

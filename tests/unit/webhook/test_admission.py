@@ -494,3 +494,59 @@ async def test_the_gpu_model_annotation_selects_gpus_and_an_unknown_model_is_a_4
     full = await webhook.review(request("20000", uid="u4", annotations={"gpu-model": "Tesla T4"}))
     assert full["response"]["status"]["code"] == 403
     assert "model NVIDIA A100-SXM4-40GB is not the one asked for" in full["response"]["status"]["message"]
+
+
+def env_of(review: rv.Review, container: int = 0) -> dict[str, Any]:
+    ops = {op["path"]: op["value"] for op in patch_of(review)}
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in ops[f"/spec/containers/{container}/env"]}
+
+
+async def test_an_admitted_pod_is_told_its_budget_unless_it_opts_out() -> None:
+    ledger = MemoryLedger()
+    webhook = admitter(ledger)
+    pod_env = [
+        {"name": "XLA_PYTHON_CLIENT_MEM_FRACTION", "value": "0.05"},
+        {"name": "TF_FORCE_GPU_ALLOW_GROWTH", "value": "false"},
+    ]
+    req = request("4096")
+    req.object["spec"]["containers"][0]["env"] = pod_env
+    env = env_of(await webhook.review(req))
+    assert env["VRAMSHARE_GPU_MEMORY_MIB"] == "4096"
+    assert env["VRAMSHARE_GPU_MEMORY_FRACTION"] == "0.25"  # 4096 of GPU-a's 16384
+    assert env["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.05"  # the pod's own, lower: kept
+    assert env["TF_FORCE_GPU_ALLOW_GROWTH"] == "true"
+    assert "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT" not in env  # no MPS node known
+    opted_out = env_of(
+        await webhook.review(request("4096", uid="u2", annotations={"gpu-guardrails": "false"}))
+    )
+    assert "VRAMSHARE_GPU_MEMORY_MIB" not in opted_out
+    bad = await webhook.review(request("4096", uid="u3", annotations={"gpu-guardrails": "maybe"}))
+    assert bad["response"]["status"]["code"] == 400
+
+
+async def test_on_an_mps_node_the_driver_limit_is_set() -> None:
+    from vramshare.domain.scheduling import NodeView
+
+    ledger = MemoryLedger()
+    ledger.gpus = (gpu("GPU-a", total=16_384),)
+    webhook = Admitter(
+        settings=WebhookSettings(accounting=Accounting(safety_margin_mib=0)),
+        ledger=ledger,
+        metrics=WebhookMetrics(),
+        clock=lambda: NOW,
+        nodes=lambda: [NodeView(name="node-a", labels={"nvidia.com/mps.capable": "true"})],
+    )
+    assert env_of(await webhook.review(request("4096")))["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=4096M"
+
+
+async def test_a_queued_pod_reads_the_gpu_dependent_budget_from_the_placement() -> None:
+    ledger = MemoryLedger()
+    ledger.gpus = (gpu("GPU-a", total=16_384, used=14_000),)
+    env = env_of(await admitter(ledger, queue_by_default=True).review(request("8000")))
+    assert env["VRAMSHARE_GPU_MEMORY_MIB"] == "8000"
+    assert env["XLA_PYTHON_CLIENT_MEM_FRACTION"] == {
+        "fieldRef": {"fieldPath": "metadata.annotations['vramshare.io/gpu-memory-fraction']"}
+    }
+    assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == {
+        "fieldRef": {"fieldPath": "metadata.annotations['vramshare.io/mps-memory-limit']"}
+    }
