@@ -5,6 +5,7 @@ own control plane, since it cordons, taints and breaks nodes."""
 from __future__ import annotations
 
 import json
+import time
 import urllib.request
 from collections.abc import Iterator
 from typing import Any
@@ -267,3 +268,33 @@ def test_the_gpu_model_annotation_on_the_real_stack(stack: LocalCluster, core: c
     message = json.loads(exc.value.body)["message"]
     assert 'annotation "gpu-model" is "*H100*": no GPU in the fleet has that model' in message
     assert "NVIDIA A100-SXM4-40GB, Tesla T4" in message
+
+
+def test_admitted_pods_are_told_their_budget_and_mps_nodes_enforce_it(
+    stack: LocalCluster, core: client.CoreV1Api
+) -> None:
+    t4 = node_of_product(stack, T4)
+    stack.kubectl("label", "node", t4, "nvidia.com/mps.capable=true")
+    try:
+        budgeted = eventually(
+            lambda: (
+                (
+                    p := core.create_namespaced_pod(
+                        NS, pod(f"budget-{time.monotonic_ns()}", 3000, node_selector=on_t4(stack))
+                    )
+                )
+                and {e.name: e.value for e in p.spec.containers[0].env}.get(
+                    "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"
+                )
+                and p
+            ),
+            what="the MPS limit once the webhook sees the node label",
+            timeout_s=15,
+        )
+    finally:
+        stack.kubectl("label", "node", t4, "nvidia.com/mps.capable-")
+    env = {e.name: e.value for e in budgeted.spec.containers[0].env}
+    assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=3000M"
+    assert env["VRAMSHARE_GPU_MEMORY_MIB"] == "3000"
+    assert env["VRAMSHARE_GPU_MEMORY_FRACTION"] == env["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.19"  # of 15360
+    assert env["TF_FORCE_GPU_ALLOW_GROWTH"] == "true"
