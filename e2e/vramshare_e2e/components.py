@@ -9,6 +9,7 @@ import os
 import ssl
 import sys
 import time
+import urllib.request
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -165,3 +166,15 @@ def start_controller(
     cluster.components[name] = component
     cluster.start_component(name)
     return component, port
+
+
+def metric(port: int, name: str) -> float | None:
+    """The value of an unlabelled series on a component's /metrics (None: absent or unreachable)."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+            for line in resp.read().decode().splitlines():
+                if line.startswith(name + " "):
+                    return float(line.split()[1])
+    except OSError:
+        return None
+    return None

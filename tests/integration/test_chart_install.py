@@ -233,32 +233,23 @@ def test_pinning_annotations_cannot_be_changed_after_admission(stack: LocalClust
     """The chart's ValidatingAdmissionPolicy: nobody re-points an admitted pod (runs after the flow above);
     even the controller only adds the placement of a pod still behind its scheduling gate."""
     as_controller = f"--as=system:serviceaccount:{NS}:{CONTROLLER_SA}"
-    moved = stack.kubectl(
-        "patch",
-        "pod",
-        "waiter",
-        "-n",
-        "jobs",
-        "--type=merge",
-        as_controller,
-        "-p",
-        json.dumps({"metadata": {"annotations": {"vramshare.io/gpu-uuid": "GPU-other"}}}),
-        check=False,
-    )
-    assert "cannot be added, changed or removed afterwards" in moved, moved
-    added = stack.kubectl(
-        "patch",
-        "pod",
-        "task",
-        "-n",
-        "jobs",
-        "--type=merge",
-        as_controller,
-        "-p",
-        json.dumps({"metadata": {"annotations": {"vramshare.io/extra": "x"}}}),
-        check=False,
-    )
-    assert "cannot be added, changed or removed afterwards" in added, added
+    for pod, added in (
+        ("waiter", {"vramshare.io/gpu-uuid": "GPU-other"}),  # placed: no longer behind the gate
+        ("task", {"vramshare.io/extra": "x"}),  # admitted, never queued
+    ):
+        refused = stack.kubectl(
+            "patch",
+            "pod",
+            pod,
+            "-n",
+            "jobs",
+            "--type=merge",
+            as_controller,
+            "-p",
+            json.dumps({"metadata": {"annotations": added}}),
+            check=False,
+        )
+        assert "cannot be added, changed or removed afterwards" in refused, refused
     for patch in (
         {"metadata": {"annotations": {"vramshare.io/gpu-uuid": "GPU-other"}}},
         {"metadata": {"annotations": {"vramshare.io/reservation": None}}},

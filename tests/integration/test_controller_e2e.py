@@ -8,7 +8,6 @@ import json
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,7 @@ from kubernetes import client, config
 
 from vramshare.kube.resources import ANNOTATION_GPU_UUID, ANNOTATION_RESERVATION, device_name
 from vramshare_e2e.cluster import RUN_DURATION_ANNOTATION, LocalCluster, eventually
-from vramshare_e2e.components import start_controller, start_webhook, webhook_configuration
+from vramshare_e2e.components import metric, start_controller, start_webhook, webhook_configuration
 
 pytestmark = pytest.mark.cluster
 
@@ -262,14 +261,6 @@ def test_killed_controller_loses_no_reservation(stack: LocalCluster, core: clien
         for r in json.loads(stack.kubectl("get", "gpures", "-n", "jobs", "-o", "json"))["items"]
     }
     assert after == before
-
-
-def metric(port: int, name: str) -> float | None:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
-        for line in resp.read().decode().splitlines():
-            if line.startswith(name + " "):
-                return float(line.split()[1])
-    return None
 
 
 def test_with_two_controllers_only_one_acts_and_the_other_takes_over(stack: LocalCluster) -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import time
-import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
@@ -15,7 +14,7 @@ from kubernetes import client, config
 
 from vramshare.kube.resources import ANNOTATION_GPU_UUID, ANNOTATION_NODE
 from vramshare_e2e.cluster import LocalCluster, eventually
-from vramshare_e2e.components import start_controller, start_webhook, webhook_configuration
+from vramshare_e2e.components import metric, start_controller, start_webhook, webhook_configuration
 
 pytestmark = pytest.mark.cluster
 
@@ -236,14 +235,6 @@ def test_a_booked_pod_that_stays_unschedulable_gets_a_warning_and_counts_in_the_
     assert metric(port, "vramshare_unschedulable_gpu_pods") == 1.0
     core.delete_namespaced_pod("cpu-hungry", NS)
     eventually(lambda: metric(port, "vramshare_unschedulable_gpu_pods") == 0.0, what="the gauge back to 0")
-
-
-def metric(port: int, name: str) -> float | None:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
-        for line in resp.read().decode().splitlines():
-            if line.startswith(name + " "):
-                return float(line.split()[1])
-    return None
 
 
 def test_the_gpu_model_annotation_on_the_real_stack(stack: LocalCluster, core: client.CoreV1Api) -> None:

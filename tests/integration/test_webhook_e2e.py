@@ -75,7 +75,15 @@ def test_annotated_pod_is_patched_reserved_and_scheduled_on_the_gpu_node(
     node = created.metadata.annotations[ANNOTATION_NODE]
     # spread: only the A100s (40 GiB) have 20000 MiB of headroom
     assert node == "gpu-node-a"
-    assert env_of(created) == {"NVIDIA_VISIBLE_DEVICES": [uuid], "CUDA_VISIBLE_DEVICES": ["0"]}
+    assert env_of(created) == {
+        "NVIDIA_VISIBLE_DEVICES": [uuid],
+        "CUDA_VISIBLE_DEVICES": ["0"],
+        # The budget inside the pod: 20000 of the A100's 40960 MiB.
+        "TF_FORCE_GPU_ALLOW_GROWTH": ["true"],
+        "VRAMSHARE_GPU_MEMORY_MIB": ["20000"],
+        "VRAMSHARE_GPU_MEMORY_FRACTION": ["0.48"],
+        "XLA_PYTHON_CLIENT_MEM_FRACTION": ["0.48"],
+    }
     (res,) = reservations(cluster, gpu_namespace)
     assert res["metadata"]["name"] == created.metadata.annotations[ANNOTATION_RESERVATION]
     assert res["spec"]["gpuUUID"] == uuid
@@ -135,11 +143,11 @@ def test_spoofed_variables_and_annotations_are_overwritten(
     uuid = created.metadata.annotations[ANNOTATION_GPU_UUID]
     assert uuid != "GPU-mine"
     assert "vramshare.io/other" not in created.metadata.annotations
-    assert env_of(created) == {
-        "KEEP": ["me"],
-        "NVIDIA_VISIBLE_DEVICES": [uuid],
-        "CUDA_VISIBLE_DEVICES": ["0"],
-    }
+    env = env_of(created)
+    assert env["KEEP"] == ["me"]
+    assert env["NVIDIA_VISIBLE_DEVICES"] == [uuid]
+    assert env["CUDA_VISIBLE_DEVICES"] == ["0"]
+    assert env["VRAMSHARE_GPU_MEMORY_MIB"] == ["1000"]
     (res,) = reservations(cluster, gpu_namespace)
     assert res["metadata"]["name"] == created.metadata.annotations[ANNOTATION_RESERVATION] != "stolen"
 

@@ -31,7 +31,7 @@ from kubernetes.client.exceptions import ApiException
 from vramshare.kube.resources import ANNOTATION_RESERVATION
 from vramshare_e2e.admission_parts import start_mutating_webhook
 from vramshare_e2e.cluster import LocalCluster, eventually
-from vramshare_e2e.components import start_controller, start_webhook, webhook_configuration
+from vramshare_e2e.components import metric, start_controller, start_webhook, webhook_configuration
 
 pytestmark = pytest.mark.cluster
 PODS = int(os.environ.get("RELIABILITY_PODS", "300"))
@@ -150,17 +150,6 @@ def leader_of(stack: Stack) -> str:
         stack.cluster.kubectl("get", "lease", "vramshare-controller", "-n", "default", "-o", "json")
     )
     return str(lease["spec"]["holderIdentity"])
-
-
-def metric(port: int, name: str) -> float | None:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
-            for line in resp.read().decode().splitlines():
-                if line.startswith(name + " "):
-                    return float(line.split()[1])
-    except OSError:
-        return None
-    return None
 
 
 def test_concurrency_with_crashes_keeps_every_promise(stack: Stack) -> None:
