@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from vramshare.kube.resources import API_VERSION, device_name, format_time_precise
-from vramshare_e2e.cluster import Component, LocalCluster, free_port, http_ok
+from vramshare_e2e.cluster import Component, LocalCluster, eventually, free_port, http_ok
 from vramshare_e2e.fleet import Fleet
 
 WEBHOOK_NAME = "gpu-mem.vramshare.io"
@@ -166,6 +166,17 @@ def start_controller(
     cluster.components[name] = component
     cluster.start_component(name)
     return component, port
+
+
+def wait_for_gpu_devices(cluster: LocalCluster) -> None:
+    """Until the controller has made a GpuDevice for every GPU of the fake fleet."""
+    eventually(
+        lambda: (
+            len(json.loads(cluster.kubectl("get", "gpudevices", "-o", "json"))["items"])
+            == len(cluster.settings.fleet.all_gpus())
+        ),
+        what="GpuDevices",
+    )
 
 
 def metric(port: int, name: str) -> float | None:

@@ -11,7 +11,7 @@ import asyncio
 import json
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from vramshare.domain import ReservationPhase
@@ -48,6 +48,8 @@ class ReservationRow:
     phase: str
     age_s: float
     queue_position: int | None = None
+    more_gpus: tuple[tuple[str, int], ...] = ()
+    """A pod with several GPUs is one row: its other GPUs' (UUID, index)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,21 +77,17 @@ def from_objects(devices: list[dict[str, Any]], reservations: list[dict[str, Any
             )
         )
     rows = []
+    sets: dict[tuple[str, str], list[GpuReservation]] = {}
     for res in (GpuReservation.from_wire(r) for r in reservations):
-        rows.append(
-            ReservationRow(
-                namespace=res.namespace,
-                name=res.name,
-                pod=res.spec.pod_name,
-                mib=res.spec.memory_mib,
-                node=res.spec.node_name,
-                gpu_uuid=res.spec.gpu_uuid,
-                gpu_index=res.spec.gpu_index,
-                phase=res.phase.value,
-                age_s=max(0.0, now - (res.meta.created_at or now)),
-                queue_position=res.status.queue_position if res.phase is ReservationPhase.QUEUED else None,
-            )
-        )
+        if res.spec.gpu_count > 1:
+            sets.setdefault((res.namespace, res.pod_label), []).append(res)
+            continue
+        rows.append(_row(res, now=now))
+    for members in sets.values():
+        members.sort(key=lambda r: (r.name != r.pod_label, r.spec.gpu_index, r.name))
+        first = _row(members[0], now=now)
+        more = tuple((m.spec.gpu_uuid, m.spec.gpu_index) for m in members[1:])
+        rows.append(replace(first, more_gpus=more))
     gpus.sort(key=lambda g: (g.node, g.index, g.uuid))
     rows.sort(
         key=lambda r: (
@@ -102,6 +100,21 @@ def from_objects(devices: list[dict[str, Any]], reservations: list[dict[str, Any
         )
     )
     return Status(gpus=gpus, reservations=rows)
+
+
+def _row(res: GpuReservation, *, now: float) -> ReservationRow:
+    return ReservationRow(
+        namespace=res.namespace,
+        name=res.name,
+        pod=res.spec.pod_name,
+        mib=res.spec.memory_mib,
+        node=res.spec.node_name,
+        gpu_uuid=res.spec.gpu_uuid,
+        gpu_index=res.spec.gpu_index,
+        phase=res.phase.value,
+        age_s=max(0.0, now - (res.meta.created_at or now)),
+        queue_position=res.status.queue_position if res.phase is ReservationPhase.QUEUED else None,
+    )
 
 
 def bar(gpu: GpuRow, width: int = BAR_WIDTH) -> str:
@@ -156,10 +169,10 @@ def render(status: Status, *, all_phases: bool = True) -> str:
         [
             r.namespace,
             r.pod,
-            str(r.mib),
+            f"{1 + len(r.more_gpus)}x{r.mib}" if r.more_gpus else str(r.mib),
             r.node or "-",
-            str(r.gpu_index) if r.gpu_uuid else "-",
-            short_uuid(r.gpu_uuid) or "-",
+            ",".join(str(i) for i in (r.gpu_index, *(i for _, i in r.more_gpus))) if r.gpu_uuid else "-",
+            ",".join(short_uuid(u) for u in (r.gpu_uuid, *(u for u, _ in r.more_gpus))) or "-",
             f"{r.phase} #{r.queue_position}" if r.queue_position else r.phase,
             age(r.age_s),
         ]

@@ -14,7 +14,13 @@ from kubernetes import client, config
 
 from vramshare.kube.resources import ANNOTATION_GPU_UUID, ANNOTATION_NODE
 from vramshare_e2e.cluster import LocalCluster, eventually
-from vramshare_e2e.components import metric, start_controller, start_webhook, webhook_configuration
+from vramshare_e2e.components import (
+    metric,
+    start_controller,
+    start_webhook,
+    wait_for_gpu_devices,
+    webhook_configuration,
+)
 
 pytestmark = pytest.mark.cluster
 
@@ -40,13 +46,7 @@ def stack() -> Iterator[LocalCluster]:
                 "VRAMSHARE_UNSCHEDULABLE_WARNING_S": "3",
             },
         )
-        eventually(
-            lambda: (
-                len(json.loads(local.kubectl("get", "gpudevices", "-o", "json"))["items"])
-                == len(local.settings.fleet.all_gpus())
-            ),
-            what="GpuDevices",
-        )
+        wait_for_gpu_devices(local)
         yield local
 
 

@@ -57,7 +57,7 @@ def test_crd_identity(file: str, kind: str, plural: str, short: str, scope: str)
 def test_reservation_columns_point_at_real_fields() -> None:
     crd = load("vramshare.io_gpureservations.yaml")
     cols = columns(crd)
-    assert list(cols)[:8] == ["Pod", "MiB", "Node", "GPU", "Index", "Phase", "Queue", "Age"]
+    assert list(cols)[:9] == ["Pod", "MiB", "Node", "GPU", "Index", "GPUs", "Phase", "Queue", "Age"]
     for name, path in cols.items():
         if name != "Age":
             schema_field(crd, path)  # raises KeyError when a column points nowhere

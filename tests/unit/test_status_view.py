@@ -116,6 +116,7 @@ def test_json_output() -> None:
         "phase": "Bound",
         "age_s": 300.0,
         "queue_position": None,
+        "more_gpus": [],
     }
 
 
@@ -133,3 +134,31 @@ def test_queued_entries_show_their_position_and_no_gpu() -> None:
     line = render(status).splitlines()[-1]
     assert "train-big" in line
     assert "Queued #2" in line
+
+
+def test_a_pod_with_several_gpus_is_one_row_listing_them() -> None:
+    def member(name: str, uuid: str, index: int) -> dict[str, object]:
+        return {
+            "metadata": {
+                "name": name,
+                "namespace": "airflow",
+                "creationTimestamp": format_time(NOW - 60),
+                "labels": {"vramshare.io/reservation-set": "ddp-abc"},
+            },
+            "spec": {
+                "podName": "ddp",
+                "memoryMiB": 8192,
+                "nodeName": "gpu-node-a",
+                "gpuUUID": uuid,
+                "gpuIndex": index,
+                "gpuCount": 2,
+            },
+            "status": {"phase": "Bound"},
+        }
+
+    objects = [member("ddp-abc-gpu1", "GPU-bbbb", 3), member("ddp-abc", "GPU-aaaa", 2)]
+    status = from_objects([DEVICE], objects, now=NOW)
+    (row,) = status.reservations
+    assert (row.name, row.gpu_uuid, row.more_gpus) == ("ddp-abc", "GPU-aaaa", (("GPU-bbbb", 3),))
+    line = render(status).splitlines()[-1].split()
+    assert line[:6] == ["airflow", "ddp", "2x8192", "gpu-node-a", "2,3", "GPU-aaaa,GPU-bbbb"]

@@ -20,6 +20,7 @@ from vramshare.domain import (
     AllocationRequest,
     Choice,
     Gpu,
+    InvalidCountError,
     InvalidRequestError,
     Refusal,
     Reservation,
@@ -29,6 +30,7 @@ from vramshare.domain import (
     gpu_to_hold,
     missing_mib,
     model_matches,
+    parse_gpu_count,
     parse_memory_request,
     refusal_message,
     retry_after_s,
@@ -88,6 +90,7 @@ class Ledger(Protocol):
         self, *, reservation: GpuReservation, token: str, live: bool = False
     ) -> GpuReservation: ...
     async def enqueue(self, reservation: GpuReservation) -> GpuReservation: ...
+    async def withdraw(self, created: GpuReservation) -> None: ...
     async def withdraw_hold(self, namespace: str, name: str) -> None: ...
     def release_rate(self, gpu_uuid: str | None = None) -> float: ...
 
@@ -268,35 +271,51 @@ class Admitter:
             )
         except InvalidRequestError as exc:
             return Invalid(reason=Reason.INVALID_ANNOTATION, message=str(exc))
+        count = 1
+        if facts.count_request is not None:
+            try:
+                count = parse_gpu_count(facts.count_request, max_count=self.settings.max_gpus_per_pod)
+            except InvalidCountError as exc:
+                return Invalid(reason=Reason.INVALID_GPU_COUNT, message=str(exc))
         queue = self._queue_mode(request.namespace, facts)
         if isinstance(queue, Invalid):
             return queue
+        # A pod with several GPUs does not wait in the queue (the planner places one GPU at a time):
+        # it is refused while no node has room for the whole set, and its task retries.
+        queue = queue and count == 1
         guard = self._guardrails(request.namespace, facts)
         if isinstance(guard, Invalid):
             return guard
         details: dict[str, Any] = {"mib": mib}
+        if count > 1:
+            details["gpus"] = count
         if facts.overwritten:
             details["overwritten"] = list(facts.overwritten)
         earlier = await self._earlier_pass(request, facts, mib=mib, details=details, queue=queue)
         if isinstance(earlier, Placement):
-            gpu = next((g for g in (await self.ledger.snapshot()).gpus if g.uuid == earlier.gpu_uuid), None)
+            known = {g.uuid: g for g in (await self.ledger.snapshot()).gpus}
+            gpus = [known[u] for u in earlier.gpu_uuids if u in known]
+            budget = self._budget(mib, gpus) if guard and len(gpus) == len(earlier.gpu_uuids) else None
             return Admit(
                 placement=earlier,
-                patch=placement_patch(
-                    pod, earlier, guardrails=self._budget(mib, gpu) if guard and gpu is not None else None
-                ),
+                patch=placement_patch(pod, earlier, guardrails=budget),
                 reason=Reason.REINVOCATION,
                 details=details,
             )
         if earlier is not None:  # its queue entry
             return self._queued(request, facts, entry=earlier, mib=mib, details=details, guard=guard)
-        return await self._allocate(request, facts, mib=mib, details=details, queue=queue, guard=guard)
+        return await self._allocate(
+            request, facts, mib=mib, count=count, details=details, queue=queue, guard=guard
+        )
 
-    def _budget(self, mib: int, gpu: Gpu) -> Callable[[dict[str, Any]], dict[str, str]]:
-        """Each container's budget variables on `gpu` (see `vramshare.domain.guardrails`)."""
-        mps = any(n.name == gpu.node and n.labels.get(MPS_LABEL) == "true" for n in self.nodes())
+    def _budget(self, mib: int, gpus: list[Gpu]) -> Callable[[dict[str, Any]], dict[str, str]]:
+        """Each container's budget variables on `gpus` (see `vramshare.domain.guardrails`): per GPU,
+        as a fraction of the smallest."""
+        node = gpus[0].node
+        mps = any(n.name == node and n.labels.get(MPS_LABEL) == "true" for n in self.nodes())
+        total = min(g.total_mib for g in gpus)
         return lambda container: guardrail_env(
-            mib=mib, total_mib=gpu.total_mib, mps=mps, user=literal_env(container)
+            mib=mib, total_mib=total, mps=mps, user=literal_env(container), devices=len(gpus)
         )
 
     def _queue_mode(self, namespace: str, facts: PodFacts) -> bool | Invalid:
@@ -420,6 +439,7 @@ class Admitter:
         facts: PodFacts,
         *,
         mib: int,
+        count: int = 1,
         details: dict[str, Any],
         queue: bool = False,
         guard: bool = False,
@@ -431,6 +451,7 @@ class Admitter:
             pod=facts.display_name,
             nodes=facts.pinned_nodes,
             model=model or None,
+            count=count,
         )
         # Stop retrying conflicts a little before the answer's own deadline, to say why.
         budget = self.settings.decision_deadline_s
@@ -521,36 +542,77 @@ class Admitter:
                 return await self._enqueue(request, facts, mib=alloc.mib, details=details, guard=guard)
         if not isinstance(decision, Choice):
             return await self._refuse(request, facts, decision, snapshot=snapshot, details=details)
-        gpu = decision.gpu
+        gpu, gpus = decision.gpu, decision.gpus
         name = reservation_name(request.object)
-        placement = Placement(reservation=name, gpu_uuid=gpu.uuid, gpu_index=gpu.index, node=gpu.node)
+        placement = Placement(
+            reservation=name,
+            gpu_uuid=gpu.uuid,
+            gpu_index=gpu.index,
+            node=gpu.node,
+            more=tuple((g.uuid, g.index) for g in gpus[1:]),
+        )
         admitted = {**details, "headroom_mib": decision.headroom.headroom_mib}
         patch = placement_patch(
-            request.object, placement, guardrails=self._budget(alloc.mib, gpu) if guard else None
+            request.object, placement, guardrails=self._budget(alloc.mib, list(gpus)) if guard else None
         )
         if request.dry_run:
             return Admit(placement=placement, patch=patch, reason=Reason.DRY_RUN, details=admitted)
-        booking = GpuReservation.new(
-            name=name,
-            namespace=request.namespace,
-            pod=facts.display_name,
-            mib=alloc.mib,
-            gpu=gpu,
-            admission_uid=request.uid,
-            user=request.username,
-        )
+        bookings = [
+            GpuReservation.new(
+                # The first booking is named as the pod's label says; the others after it.
+                name=name if i == 0 else f"{name}-gpu{i}",
+                namespace=request.namespace,
+                pod=facts.display_name,
+                mib=alloc.mib,
+                gpu=g,
+                admission_uid=request.uid,
+                user=request.username,
+                set_name=name if len(gpus) > 1 else "",
+                gpu_count=len(gpus),
+            )
+            for i, g in enumerate(gpus)
+        ]
         committing = time.perf_counter()
         self.metrics.choose_seconds.observe(committing - choosing)
         try:
-            await self.ledger.commit(reservation=booking, token=snapshot.tokens[gpu.uuid], live=snapshot.live)
-        except CommitConflictError:
-            return _Conflicted(gpu_uuid=gpu.uuid)
+            conflicted = await self._commit_all(bookings, snapshot)
         finally:
             self.metrics.commit_seconds.observe(time.perf_counter() - committing)
+        if conflicted is not None:
+            return _Conflicted(gpu_uuid=conflicted)
         for hold in _holds_of(snapshot, facts.task_key):  # its task is in: the held memory is its own now
             await self.ledger.withdraw_hold(hold.namespace, hold.name)
             admitted["hold_used"] = hold.gpu_uuid
         return Admit(placement=placement, patch=patch, reason=Reason.FITS, details=admitted)
+
+    async def _commit_all(self, bookings: list[GpuReservation], snapshot: Snapshot) -> str | None:
+        """Commit every booking of one pod, each on its own GPU's token, all or nothing: when one loses
+        its race the others are withdrawn and the UUID of the GPU that conflicted is returned. Until
+        they are withdrawn they only make other decisions more careful, never less."""
+        if len(bookings) == 1:
+            booking = bookings[0]
+            try:
+                await self.ledger.commit(
+                    reservation=booking, token=snapshot.tokens[booking.spec.gpu_uuid], live=snapshot.live
+                )
+            except CommitConflictError:
+                return booking.spec.gpu_uuid
+            return None
+        results = await asyncio.gather(
+            *(
+                self.ledger.commit(reservation=b, token=snapshot.tokens[b.spec.gpu_uuid], live=snapshot.live)
+                for b in bookings
+            ),
+            return_exceptions=True,
+        )
+        made = [r for r in results if isinstance(r, GpuReservation)]
+        if len(made) == len(bookings):
+            return None
+        await asyncio.gather(*(self.ledger.withdraw(r) for r in made))
+        for booking, result in zip(bookings, results, strict=True):
+            if isinstance(result, CommitConflictError):
+                return booking.spec.gpu_uuid
+        raise next(r for r in results if isinstance(r, BaseException))
 
     async def _refuse(
         self,
@@ -568,7 +630,7 @@ class Admitter:
         if holds:
             held = holds[0]
             note = f" GPU {held.gpu_uuid} keeps the memory that frees on it for this task's next try."
-        elif not request.dry_run:
+        elif not request.dry_run and refusal.request.count == 1:  # one GPU cannot be held for a set
             held_gpus = _held_gpus(snapshot)
             gpu = (
                 gpu_to_hold(

@@ -44,6 +44,7 @@ class Reason(StrEnum):
     NO_GPU_FITS_NOW = "no-gpu-fits-now"
     INVALID_QUEUE_ANNOTATION = "invalid-queue-annotation"
     INVALID_MODEL = "invalid-model"
+    INVALID_GPU_COUNT = "invalid-gpu-count"
     INVALID_GUARDRAILS_ANNOTATION = "invalid-guardrails-annotation"
     CONTENTION = "contention"
     DEADLINE = "deadline"

@@ -1,8 +1,9 @@
 """Reading and patching pod specs: pure functions over the pod as the API server sends it.
 
-The patch pins a pod to one GPU: `NVIDIA_VISIBLE_DEVICES=<UUID>` and `CUDA_VISIBLE_DEVICES=0` in every
+The patch pins a pod to its GPU: `NVIDIA_VISIBLE_DEVICES=<UUID>` and `CUDA_VISIBLE_DEVICES=0` in every
 container and init container (replacing values the user set, never duplicating an entry), a required
-node affinity to the GPU's node ANDed into every existing term, and vramshare's annotations (which
+node affinity to the GPU's node ANDed into every existing term (a pod with several GPUs on one node gets
+their UUIDs as a list and `CUDA_VISIBLE_DEVICES=0,...,N-1`), and vramshare's annotations (which
 replace any `vramshare.io/*` annotation the user wrote) plus the label `vramshare.io/reservation`, by
 which the controller lists GPU pods. Whole lists and maps are replaced in one
 operation each, which is simpler to get right than editing entries in place.
@@ -15,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from vramshare.domain.request import COUNT_ANNOTATION
 from vramshare.domain.scheduling import NodeRules
 from vramshare.kube.pods import (
     ANNOTATED_GUARDRAILS,
@@ -170,6 +172,16 @@ class Placement:
     gpu_uuid: str
     gpu_index: int
     node: str
+    more: tuple[tuple[str, int], ...] = ()
+    """A pod with several GPUs: the others' (UUID, index), on the same node."""
+
+    @property
+    def gpu_uuids(self) -> tuple[str, ...]:
+        return (self.gpu_uuid, *(u for u, _ in self.more))
+
+    @property
+    def gpu_indexes(self) -> tuple[int, ...]:
+        return (self.gpu_index, *(i for _, i in self.more))
 
 
 def spoofed(pod: Obj) -> list[str]:
@@ -197,7 +209,11 @@ def placement_patch(
     """The JSON Patch that puts `pod` on `placement`'s GPU; `guardrails` gives each container's budget
     variables (see `vramshare.domain.guardrails`)."""
     ops: list[Operation] = []
-    env = {VISIBLE_DEVICES: placement.gpu_uuid, CUDA_DEVICES: "0"}
+    # CUDA numbers the visible devices from 0, in the order NVIDIA_VISIBLE_DEVICES lists them.
+    env = {
+        VISIBLE_DEVICES: ",".join(placement.gpu_uuids),
+        CUDA_DEVICES: ",".join(str(i) for i in range(len(placement.gpu_uuids))),
+    }
     for key, i, c in _containers(pod):
         values = {**(guardrails(c) if guardrails is not None else {}), **env}
         ops.append({"op": "add", "path": pointer("spec", key, i, "env"), "value": _with_env(c, values)})
@@ -210,8 +226,8 @@ def placement_patch(
     )
     ours = placement_annotations(
         reservation=placement.reservation,
-        gpu_uuid=placement.gpu_uuid,
-        gpu_index=placement.gpu_index,
+        gpu_uuid=",".join(placement.gpu_uuids),
+        gpu_index=",".join(str(i) for i in placement.gpu_indexes),
         node=placement.node,
     )
     return ops + _marking(pod, annotations=ours, reservation=placement.reservation)
@@ -319,6 +335,8 @@ class PodFacts:
     """The raw value of the annotation gpu-guardrails."""
     model_request: str | None = None
     """The GPU model the pod asks for (annotation gpu-model): exact, or a pattern with * and ?."""
+    count_request: str | None = None
+    """The raw value of the annotation gpu-count: how many GPUs, on one node."""
     task: str = ""
     """The task the pod runs, the same across its Airflow tries (a hold is kept for it)."""
     task_key: str = ""
@@ -354,6 +372,7 @@ def read_pod(
         claimed_queue_entry=queued_entry_of(pod),
         queue_request=pod_annotations(pod).get(queue_annotation),
         model_request=pod_annotations(pod).get(MODEL_ANNOTATION),
+        count_request=pod_annotations(pod).get(COUNT_ANNOTATION),
         guardrails_request=pod_annotations(pod).get(GUARDRAILS_ANNOTATION),
         display_name=display_name(pod),
         memory_request=pod_annotations(pod).get(annotation),
@@ -369,11 +388,16 @@ def placement_of(pod: Obj) -> Placement | None:
     """The placement recorded in a pod's annotations (on reinvocation), if complete."""
     a = pod_annotations(pod)
     try:
+        uuids = a[ANNOTATION_GPU_UUID].split(",")
+        indexes = [int(i) for i in a[ANNOTATION_GPU_INDEX].split(",")]
+        if len(uuids) != len(indexes):
+            return None
         return Placement(
             reservation=a[ANNOTATION_RESERVATION],
-            gpu_uuid=a[ANNOTATION_GPU_UUID],
-            gpu_index=int(a[ANNOTATION_GPU_INDEX]),
+            gpu_uuid=uuids[0],
+            gpu_index=indexes[0],
             node=a[ANNOTATION_NODE],
+            more=tuple(zip(uuids[1:], indexes[1:], strict=True)),
         )
     except (KeyError, ValueError):
         return None

@@ -15,6 +15,7 @@ from enum import StrEnum
 
 from vramshare.domain import (
     DEFAULT_ANNOTATION,
+    DEFAULT_MAX_GPUS,
     DEFAULT_MAX_MIB,
     Accounting,
     AllocationSettings,
@@ -39,6 +40,8 @@ class WebhookSettings:
     annotation: str = DEFAULT_ANNOTATION
     """The pod annotation carrying the memory request in MiB."""
     max_request_mib: int = DEFAULT_MAX_MIB
+    max_gpus_per_pod: int = DEFAULT_MAX_GPUS
+    """The most GPUs one pod may ask for with the annotation gpu-count (all on one node)."""
     policy: Policy = Policy.SPREAD
     near_tie_mib: int = 512
     """GPUs within this of the policy's best count as tied; ties go to this replica's own preferred
@@ -134,6 +137,8 @@ class WebhookSettings:
             raise invalid("max_holds", self.max_holds, "0 or more")
         if self.hold_limit_s <= 0:
             raise invalid("hold_limit_s", self.hold_limit_s, "a positive number of seconds")
+        if not 1 <= self.max_gpus_per_pod <= 64:
+            raise invalid("max_gpus_per_pod", self.max_gpus_per_pod, "1 to 64")
         if self.near_tie_mib < 0:
             raise invalid("near_tie_mib", self.near_tie_mib, "0 or more MiB")
         if self.reinvocation_window_s <= 0:

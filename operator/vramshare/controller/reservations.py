@@ -37,6 +37,7 @@ from vramshare.kube.resources import (
     API_VERSION,
     LABEL_ACTIVE,
     LABEL_RESERVATION,
+    LABEL_SET,
     parse_time,
     reservations_path,
 )
@@ -246,14 +247,14 @@ class ReservationReconciler:
         changed = 0
         current = list(self.state.reservations.items.values())
         for res in current:
-            labelled = by_reservation.get((res.namespace, res.name), [])
+            labelled = by_reservation.get((res.namespace, res.pod_label), [])
             if await self.reconcile(res, labelled, presence=presence, confirm_absence=True):
                 changed += 1
         gone = self._stuck.keys() - {r.key for r in current}  # deleted with their pod
         if gone:
             for key in gone:
                 del self._stuck[key]
-            self.metrics.unschedulable_pods.set(len(self._stuck))
+            self.metrics.unschedulable_pods.set(len(set(self._stuck.values())))
         return changed
 
     async def pod_changed(self, pod: Obj, *, deleted: bool, presence: GpuPresence) -> None:
@@ -265,12 +266,19 @@ class ReservationReconciler:
         res = await self._get(meta["namespace"], name)
         if res is None or not meta.get("uid"):
             return
+        members = [res]
+        if res.spec.gpu_count > 1:  # a pod with several GPUs: one booking each, all under its label
+            listed = await self.kube.list(
+                reservations_path(res.namespace), label_selector=f"{LABEL_SET}={name}"
+            )
+            members = [GpuReservation.from_wire(o) for o in listed.get("items", [])]
         sighting = pod_sighting(pod)
-        if not belongs(res.to_domain(), sighting, bound_uid=res.status.pod_uid):
-            if not deleted:
-                await self._announce_impostor(res, sighting, now=self.clock())
-            return  # another pod's event says nothing about this reservation's own pod
-        await self.reconcile(res, [] if deleted else [pod], presence=presence)
+        for member in members:
+            if not belongs(member.to_domain(), sighting, bound_uid=member.status.pod_uid):
+                if not deleted:
+                    await self._announce_impostor(member, sighting, now=self.clock())
+                continue  # another pod's event says nothing about this reservation's own pod
+            await self.reconcile(member, [] if deleted else [pod], presence=presence)
 
     def reservation_seen(self, obj: Obj, *, presence: Callable[[], GpuPresence]) -> None:
         """A reservation was created or changed: while it waits for its pod, look again at its TTL, so
@@ -299,7 +307,7 @@ class ReservationReconciler:
             if res is None:
                 return
             pods = await self.kube.list(
-                f"/api/v1/namespaces/{key[0]}/pods", label_selector=f"{LABEL_RESERVATION}={key[1]}"
+                f"/api/v1/namespaces/{key[0]}/pods", label_selector=f"{LABEL_RESERVATION}={res.pod_label}"
             )
             await self.reconcile(res, pods.get("items", []), presence=presence)
         except Exception as exc:  # the sweep catches it later
@@ -343,7 +351,8 @@ class ReservationReconciler:
             return False
         if confirm_absence and the_plan.transition is not None and the_plan.transition.reason in _ABSENCE:
             listed = await self.kube.list(
-                f"/api/v1/namespaces/{res.namespace}/pods", label_selector=f"{LABEL_RESERVATION}={res.name}"
+                f"/api/v1/namespaces/{res.namespace}/pods",
+                label_selector=f"{LABEL_RESERVATION}={res.pod_label}",
             )
             if listed.get("items"):  # the cache was behind: decide on what is really there
                 return await self.reconcile(res, listed["items"], presence=presence)
@@ -368,12 +377,15 @@ class ReservationReconciler:
         after_s = self.settings.unschedulable_warning_s
         if pod is None or not stuck_unschedulable(res.phase, pod, now=now, after_s=after_s):
             if self._stuck.pop(res.key, None) is not None:
-                self.metrics.unschedulable_pods.set(len(self._stuck))
+                self.metrics.unschedulable_pods.set(len(set(self._stuck.values())))
             return
         if self._stuck.get(res.key) == pod.uid:
             return
+        told = pod.uid in self._stuck.values()  # a pod with several GPUs is warned about once
         self._stuck[res.key] = pod.uid
-        self.metrics.unschedulable_pods.set(len(self._stuck))
+        self.metrics.unschedulable_pods.set(len(set(self._stuck.values())))
+        if told:
+            return
         spec = res.spec
         log.warning("booked pod unschedulable", reservation=res.key, pod=pod.name, node=spec.node_name)
         await post_event(
@@ -402,9 +414,9 @@ class ReservationReconciler:
         uid = res.status.pod_uid
         owner = f"the pod with UID {uid}" if uid else f"pod {res.spec.pod_name}"
         message = (
-            f"Pod {impostor.name} carries label {LABEL_RESERVATION}={res.name}, but that reservation of "
-            f"{res.spec.memory_mib} MiB on {res.spec.gpu_uuid} belongs to {owner}; the label is ignored and "
-            "this pod has no GPU memory booked"
+            f"Pod {impostor.name} carries label {LABEL_RESERVATION}={res.pod_label}, but reservation "
+            f"{res.name} of {res.spec.memory_mib} MiB on {res.spec.gpu_uuid} belongs to {owner}; the label "
+            "is ignored and this pod has no GPU memory booked"
         )
         log.warning("impostor pod ignored", reservation=res.key, pod=impostor.name)
         self.metrics.impostor_pods.inc()

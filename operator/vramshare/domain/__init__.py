@@ -37,14 +37,20 @@ from vramshare.domain.messages import describe_verdict, refusal_message
 from vramshare.domain.models import AllocationRequest, Gpu, Reservation, ReservationPhase, model_matches
 from vramshare.domain.queue import Hold, QueuePlan, QueueSettings, Waiting, plan_queue
 from vramshare.domain.request import (
+    COUNT_ANNOTATION,
     DEFAULT_ANNOTATION,
+    DEFAULT_MAX_GPUS,
     DEFAULT_MAX_MIB,
+    InvalidCountError,
     InvalidRequestError,
+    parse_gpu_count,
     parse_memory_request,
 )
 
 __all__ = [
+    "COUNT_ANNOTATION",
     "DEFAULT_ANNOTATION",
+    "DEFAULT_MAX_GPUS",
     "DEFAULT_MAX_MIB",
     "Accounting",
     "AllocationRequest",
@@ -56,6 +62,7 @@ __all__ = [
     "GpuVerdict",
     "Headroom",
     "Hold",
+    "InvalidCountError",
     "InvalidRequestError",
     "LedgerIndex",
     "PodSighting",
@@ -82,6 +89,7 @@ __all__ = [
     "missing_mib",
     "model_matches",
     "next_phase",
+    "parse_gpu_count",
     "parse_memory_request",
     "plan_queue",
     "refusal_message",

@@ -64,6 +64,11 @@ class GpuVerdict:
     def fits(self) -> bool:
         return self.excluded is None
 
+    @property
+    def room_mib(self) -> int:
+        """Its headroom, 0 where it was excluded before that mattered."""
+        return self.headroom.headroom_mib if self.headroom is not None else 0
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Choice:
@@ -72,6 +77,12 @@ class Choice:
     headroom: Headroom
     """The chosen GPU's headroom before this request."""
     verdicts: tuple[GpuVerdict, ...]
+    more: tuple[tuple[Gpu, Headroom], ...] = ()
+    """For a request of several GPUs: the others, on the same node, in the order the pod sees them."""
+
+    @property
+    def gpus(self) -> tuple[Gpu, ...]:
+        return (self.gpu, *(g for g, _ in self.more))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -79,6 +90,22 @@ class Refusal:
     request: AllocationRequest
     verdicts: tuple[GpuVerdict, ...]
     """One per GPU in the inventory, in a stable order."""
+
+    @property
+    def closest_node(self) -> tuple[str, list[GpuVerdict]] | None:
+        """For a request of several GPUs: the node with the most GPUs that have room (then the most
+        headroom among them), with those GPUs; None when no GPU anywhere has room."""
+        by_node: dict[str, list[GpuVerdict]] = {}
+        for v in self.verdicts:
+            if v.fits:
+                by_node.setdefault(v.gpu.node, []).append(v)
+        if not by_node:
+            return None
+        node = min(
+            by_node,
+            key=lambda n: (-len(by_node[n]), -sum(v.room_mib for v in by_node[n]), n),
+        )
+        return node, by_node[node]
 
     @property
     def best_headroom_mib(self) -> int | None:
@@ -187,6 +214,8 @@ def choose(
     fitting = [v for v in verdicts if v.fits and v.headroom is not None]
     if not fitting:
         return Refusal(request=request, verdicts=verdicts)
+    if request.count > 1:
+        return _choose_set(request, fitting, verdicts, settings=settings, prefer=prefer, avoid=avoid)
     sign = -1 if settings.policy is Policy.SPREAD else 1
     top = min(sign * v.headroom.headroom_mib for v in fitting)  # type: ignore[union-attr]
     tied = [v for v in fitting if sign * v.headroom.headroom_mib - top <= settings.near_tie_mib]  # type: ignore[union-attr]
@@ -201,3 +230,48 @@ def choose(
     )
     assert best.headroom is not None
     return Choice(request=request, gpu=best.gpu, headroom=best.headroom, verdicts=verdicts)
+
+
+def _choose_set(
+    request: AllocationRequest,
+    fitting: list[GpuVerdict],
+    verdicts: tuple[GpuVerdict, ...],
+    *,
+    settings: AllocationSettings,
+    prefer: str,
+    avoid: Collection[str],
+) -> Choice | Refusal:
+    """`request.count` GPUs on one node, each with room: on every node with enough, the policy's best
+    GPUs; then the node whose set the policy likes best (spread: the most headroom in total; binpack:
+    the least). A node with a GPU in `avoid` comes after the others, so a retry after a conflict tries
+    elsewhere first."""
+    sign = -1 if settings.policy is Policy.SPREAD else 1
+    by_node: dict[str, list[GpuVerdict]] = {}
+    for v in fitting:
+        by_node.setdefault(v.gpu.node, []).append(v)
+    sets = []
+    for node, candidates in by_node.items():
+        if len(candidates) < request.count:
+            continue
+        picked = sorted(candidates, key=lambda v: (sign * v.room_mib, *_gpu_order(v.gpu)))[: request.count]
+        sets.append(
+            (
+                any(v.gpu.uuid in avoid for v in picked),
+                sign * sum(v.room_mib for v in picked),
+                _rank(prefer, picked[0].gpu),
+                node,
+                sorted(picked, key=lambda v: _gpu_order(v.gpu)),
+            )
+        )
+    if not sets:
+        return Refusal(request=request, verdicts=verdicts)
+    best = min(sets, key=lambda s: s[:4])[4]
+    first, *rest = best
+    assert first.headroom is not None
+    return Choice(
+        request=request,
+        gpu=first.gpu,
+        headroom=first.headroom,
+        verdicts=verdicts,
+        more=tuple((v.gpu, v.headroom) for v in rest if v.headroom is not None),
+    )

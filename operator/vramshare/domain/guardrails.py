@@ -9,7 +9,7 @@ frameworks read, computed from the booked MiB and the GPU's total:
 - `VRAMSHARE_GPU_MEMORY_MIB` and `VRAMSHARE_GPU_MEMORY_FRACTION`: the budget for user code, e.g.
   `torch.cuda.set_per_process_memory_fraction(float(os.environ["VRAMSHARE_GPU_MEMORY_FRACTION"]))`;
 - on nodes running the CUDA MPS control daemon, `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=<MiB>M`, which the
-  driver enforces for the (one) visible device.
+  driver enforces for each visible device.
 
 A value the user set is kept when it is lower (a tighter budget does no harm) and replaced when it is
 higher or unreadable; `TF_FORCE_GPU_ALLOW_GROWTH` is always `true`, since `false` takes the whole GPU.
@@ -59,8 +59,11 @@ def _number(value: str) -> float | None:
     return number if math.isfinite(number) else None
 
 
-def guardrail_env(*, mib: int, total_mib: int, mps: bool, user: Mapping[str, str]) -> dict[str, str]:
-    """The guardrail variables for one container, given the values it already sets (`user`)."""
+def guardrail_env(
+    *, mib: int, total_mib: int, mps: bool, user: Mapping[str, str], devices: int = 1
+) -> dict[str, str]:
+    """The guardrail variables for one container, given the values it already sets (`user`). With
+    several `devices` (a pod with several GPUs) the budget is per GPU, and `total_mib` the smallest."""
     fraction = f"{fraction_of(mib, total_mib):.2f}"
     ours = {
         TF_GROWTH: "true",
@@ -69,7 +72,7 @@ def guardrail_env(*, mib: int, total_mib: int, mps: bool, user: Mapping[str, str
         XLA_FRACTION: fraction,
     }
     if mps:
-        ours[MPS_LIMIT] = f"0={mib}M"
+        ours[MPS_LIMIT] = ",".join(f"{i}={mib}M" for i in range(devices))
     out = {}
     for name, value in ours.items():
         theirs = user.get(name)

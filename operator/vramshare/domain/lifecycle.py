@@ -165,7 +165,8 @@ def belongs(reservation: Reservation, pod: PodSighting, *, bound_uid: str | None
         return pod.uid == bound_uid
     admitted = reservation.pod
     named = pod.name.startswith(admitted[:-1]) if admitted.endswith("*") else pod.name == admitted
-    placed = (pod.gpu_uuid or "") == reservation.gpu_uuid  # a queued pod and its entry name no GPU yet
+    # A queued pod and its entry name no GPU yet; a pod with several GPUs lists them all.
+    placed = reservation.gpu_uuid in (pod.gpu_uuid or "").split(",")
     return named and placed and pod.created_at >= reservation.reserved_at
 
 

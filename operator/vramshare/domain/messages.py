@@ -68,12 +68,19 @@ def refusal_message(refusal: Refusal, *, max_sample_age_s: float, retry_hint: st
     else:
         where = f" on node{'s' if len(nodes) > 1 else ''} {', '.join(nodes)}"
     head = f"no GPU{where} has {request.mib} MiB of headroom for pod {request.namespace}/{request.pod}"
+    if request.count > 1:
+        head = (
+            f"no node{where} has {request.count} GPUs with {request.mib} MiB of headroom each for pod "
+            f"{request.namespace}/{request.pod}"
+        )
     if not refusal.verdicts:
         return (
             f"{head}: no GPUs are known (is the vramshare controller running and DCGM scraped?). {retry_hint}"
         )
     best = refusal.best_headroom_mib
     best_text = f"the most any GPU can give is {max(best, 0)} MiB" if best is not None else "no GPU is usable"
+    if request.count > 1:
+        best_text = _closest_node_text(refusal)
 
     def relevance(v: GpuVerdict) -> tuple[int, int]:
         room = v.headroom.headroom_mib if v.headroom is not None else 0
@@ -87,3 +94,17 @@ def refusal_message(refusal: Refusal, *, max_sample_age_s: float, retry_hint: st
     if rest:
         listed.append("and " + ", ".join(f"{n} more {why}" for why, n in sorted(rest.items())))
     return f"{head}; {best_text}. GPUs: " + "; ".join(listed) + f". {retry_hint}"
+
+
+def _closest_node_text(refusal: Refusal) -> str:
+    """For a request of several GPUs: which node came closest, and with which GPUs."""
+    closest = refusal.closest_node
+    if closest is None:
+        return "no GPU on any node has that much headroom"
+    node, verdicts = closest
+    rooms = ", ".join(f"{v.gpu.uuid} (index {v.gpu.index}) {v.room_mib} MiB" for v in verdicts)
+    have = len(verdicts)
+    return (
+        f"the closest is node {node}, where {have} of the {refusal.request.count} GPUs needed "
+        f"{'has' if have == 1 else 'have'} room: {rooms}"
+    )

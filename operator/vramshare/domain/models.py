@@ -110,6 +110,8 @@ class AllocationRequest:
     """Why the pod cannot go to each other node (for messages; see `vramshare.domain.scheduling`)."""
     model: str | None = None
     """Only GPUs whose model (as DCGM reports it) matches this: exact, or a pattern with * and ?."""
+    count: int = 1
+    """How many GPUs, all on one node, each with `mib` of headroom (a distributed training task)."""
 
 
 def model_matches(pattern: str | None, model: str) -> bool:

@@ -55,3 +55,27 @@ def parse_memory_request(
     if mib > max_mib:
         raise refuse("it is larger than any GPU")
     return mib
+
+
+COUNT_ANNOTATION = "gpu-count"
+DEFAULT_MAX_GPUS = 8
+"""The most GPUs one pod may ask for: the most one node usually holds."""
+
+
+def parse_gpu_count(
+    value: str, *, annotation: str = COUNT_ANNOTATION, max_count: int = DEFAULT_MAX_GPUS
+) -> int:
+    """How many GPUs a pod asks for, from its annotation value; `InvalidRequestError` when it is not a
+    whole number between 1 and `max_count`."""
+    text = value.strip()
+    if _WHOLE_NUMBER.fullmatch(text) and len(text) <= 4 and 1 <= int(text) <= max_count:
+        return int(text)
+    shown = value if len(value) <= _SHOWN_CHARS else value[:_SHOWN_CHARS] + "..."
+    raise InvalidCountError(
+        f'annotation "{annotation}" has value {shown!r}: expected a whole number of GPUs between 1 and '
+        f'{max_count}, for example "2" (each GPU gets the memory the memory annotation asks for)'
+    )
+
+
+class InvalidCountError(ValueError):
+    """The GPU-count annotation's value is not acceptable; `str()` is the user's message."""

@@ -391,6 +391,10 @@ class KubeLedger:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
+    async def withdraw(self, created: GpuReservation) -> None:
+        """Take back a committed booking nobody will use (the rest of its pod's set lost its race)."""
+        await self._abandon(created, _reservation_key(created.namespace, created.name))
+
     async def _abandon(self, created: GpuReservation, key: str, *, unplace: bool = False) -> None:
         self.reservations.drop(key)
         await self._withdraw(created, unplace=unplace)

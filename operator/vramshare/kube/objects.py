@@ -21,6 +21,7 @@ from vramshare.kube.resources import (
     LABEL_COMMITTED,
     LABEL_GPU,
     LABEL_HELD_FOR,
+    LABEL_SET,
     device_name,
     format_time,
     format_time_precise,
@@ -108,6 +109,8 @@ class ReservationSpec:
     gpu_index: int = 0
     admission_uid: str = ""
     admitted_user: str = ""
+    gpu_count: int = 1
+    """How many GPUs its pod has (one reservation each, sharing the label vramshare.io/reservation-set)."""
 
     @classmethod
     def from_wire(cls, obj: Obj) -> Self:
@@ -119,6 +122,7 @@ class ReservationSpec:
             gpu_index=int(obj.get("gpuIndex", 0)),
             admission_uid=obj.get("admissionUID", ""),
             admitted_user=obj.get("admittedUser", ""),
+            gpu_count=int(obj.get("gpuCount", 1)),
         )
 
     @property
@@ -133,6 +137,8 @@ class ReservationSpec:
             out["admissionUID"] = self.admission_uid
         if self.admitted_user:
             out["admittedUser"] = self.admitted_user
+        if self.gpu_count > 1:
+            out["gpuCount"] = self.gpu_count
         return out
 
 
@@ -214,9 +220,12 @@ class GpuReservation:
         admission_uid: str,
         user: str = "",
         held_for: str = "",
+        set_name: str = "",
+        gpu_count: int = 1,
     ) -> GpuReservation:
         """A booking as the webhook creates it: not yet committed, active. With `held_for`, a hold:
-        memory kept for that task's next try, with no pod of its own."""
+        memory kept for that task's next try, with no pod of its own. With `set_name`, one of the
+        `gpu_count` bookings of a pod with several GPUs."""
         labels = {
             LABEL_GPU: device_name(gpu.uuid),
             LABEL_COMMITTED: "false",
@@ -225,6 +234,8 @@ class GpuReservation:
         }
         if held_for:
             labels[LABEL_HELD_FOR] = held_for
+        if set_name:
+            labels[LABEL_SET] = set_name
         return GpuReservation(
             meta=Meta(name=name, namespace=namespace, labels=labels),
             spec=ReservationSpec(
@@ -235,6 +246,7 @@ class GpuReservation:
                 gpu_index=gpu.index,
                 admission_uid=admission_uid,
                 admitted_user=user,
+                gpu_count=gpu_count,
             ),
         )
 
@@ -288,6 +300,12 @@ class GpuReservation:
         if recorded is None or recorded is ReservationPhase.QUEUED:
             return ReservationPhase.RESERVED if self.spec.placed else ReservationPhase.QUEUED
         return recorded
+
+    @property
+    def pod_label(self) -> str:
+        """The value of its pod's label vramshare.io/reservation: its own name, or for one of the
+        bookings of a pod with several GPUs, the name of the set."""
+        return self.meta.labels.get(LABEL_SET) or self.meta.name
 
     @property
     def held_for(self) -> str:

@@ -97,8 +97,11 @@ def affinity_on(spec: Obj, node: str) -> Obj:
     return affinity
 
 
-def placement_annotations(*, reservation: str, gpu_uuid: str, gpu_index: int, node: str) -> dict[str, str]:
-    """The annotations that record a pod's placement (its environment reads the GPU from them)."""
+def placement_annotations(
+    *, reservation: str, gpu_uuid: str, gpu_index: int | str, node: str
+) -> dict[str, str]:
+    """The annotations that record a pod's placement (its environment reads the GPU from them). A pod
+    with several GPUs gets their UUIDs and indexes as comma-separated lists, in the same order."""
     return {
         ANNOTATION_RESERVATION: reservation,
         ANNOTATION_GPU_UUID: gpu_uuid,

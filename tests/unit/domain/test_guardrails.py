@@ -51,3 +51,10 @@ def test_the_fraction_never_exceeds_what_was_booked(mib: int, total: int) -> Non
     assert 0.01 <= fraction <= 1.0
     if mib <= total and mib * 100 >= total:
         assert fraction * total <= mib + 1e-6
+
+
+def test_a_pod_with_several_gpus_gets_the_driver_limit_for_each() -> None:
+    env = guardrail_env(mib=8_192, total_mib=40_960, mps=True, user={}, devices=3)
+    assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=8192M,1=8192M,2=8192M"
+    assert env["VRAMSHARE_GPU_MEMORY_MIB"] == "8192"  # per GPU
+    assert env["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.20"

@@ -194,3 +194,13 @@ def test_a_bound_pod_is_stuck_once_unschedulable_for_long_enough() -> None:
         name="p", uid="u", created_at=0, state=PodState.ACTIVE, running_since=None, gpu_uuid="GPU-a"
     )
     assert not stuck_unschedulable(bound, scheduled, now=1000, after_s=60)
+
+
+def test_each_booking_of_a_pod_with_several_gpus_belongs_to_it() -> None:
+    first = reservation(4_096, name="task-ab12", pod="task", gpu_uuid="GPU-a")
+    second = reservation(4_096, name="task-ab12-gpu1", pod="task", gpu_uuid="GPU-b")
+    pod = sighting("task", created=first.reserved_at + 1, gpu_uuid="GPU-a,GPU-b")
+    assert genuine_pod(first, [pod], bound_uid=None) == (pod, [])
+    assert genuine_pod(second, [pod], bound_uid=None) == (pod, [])
+    elsewhere = reservation(4_096, name="x", pod="task", gpu_uuid="GPU-c")
+    assert genuine_pod(elsewhere, [pod], bound_uid=None) == (None, [pod])

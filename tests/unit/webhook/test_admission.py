@@ -34,6 +34,9 @@ class MemoryLedger:
         self.hang_commit = False
         self.rate = 0.0
         """MiB per second freed lately (for Retry-After)."""
+        self.conflict_on: set[str] = set()
+        """GPUs whose next commit loses its race (once each)."""
+        self.withdrawn: list[str] = []
 
     async def snapshot(self, *, fresh: bool = False) -> Snapshot:
         self.fresh_reads += fresh
@@ -67,12 +70,20 @@ class MemoryLedger:
         if self.conflicts:
             self.conflicts -= 1
             raise CommitConflictError("moved")
+        if reservation.spec.gpu_uuid in self.conflict_on:
+            self.conflict_on.discard(reservation.spec.gpu_uuid)
+            await asyncio.sleep(0)  # the other GPU's commit lands first
+            raise CommitConflictError("moved")
         created = replace(reservation, meta=replace(reservation.meta, created_at=NOW))
         self.objects.append(created)
         return created
 
     async def enqueue(self, reservation: GpuReservation) -> GpuReservation:
         return await self.commit(reservation=reservation, token="")
+
+    async def withdraw(self, created: GpuReservation) -> None:
+        self.withdrawn.append(created.name)
+        self.objects = [o for o in self.objects if o.name != created.name]
 
     async def withdraw_hold(self, namespace: str, name: str) -> None:
         self.objects = [o for o in self.objects if o.name != name]
@@ -550,3 +561,76 @@ async def test_a_queued_pod_reads_the_gpu_dependent_budget_from_the_placement() 
     assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == {
         "fieldRef": {"fieldPath": "metadata.annotations['vramshare.io/mps-memory-limit']"}
     }
+
+
+async def test_a_pod_with_two_gpus_books_both_on_one_node_under_one_label() -> None:
+    ledger = MemoryLedger()
+    review = await admitter(ledger).review(request("4096", annotations={"gpu-count": "2"}))
+    assert review["response"]["allowed"]
+    first, second = ledger.objects
+    assert (first.spec.gpu_uuid, second.spec.gpu_uuid) == ("GPU-a", "GPU-b")
+    assert second.name == f"{first.name}-gpu1"
+    assert {o.pod_label for o in ledger.objects} == {first.name}
+    assert {o.spec.gpu_count for o in ledger.objects} == {2}
+    ops = {op["path"]: op["value"] for op in patch_of(review)}
+    assert ops["/metadata/labels"]["vramshare.io/reservation"] == first.name
+    env = {e["name"]: e.get("value") for e in ops["/spec/containers/0/env"]}
+    assert (env["NVIDIA_VISIBLE_DEVICES"], env["CUDA_VISIBLE_DEVICES"]) == ("GPU-a,GPU-b", "0,1")
+    # The budget is per GPU, a fraction of the smaller one (8 GiB).
+    assert (env["VRAMSHARE_GPU_MEMORY_MIB"], env["XLA_PYTHON_CLIENT_MEM_FRACTION"]) == ("4096", "0.50")
+
+
+async def test_a_set_is_booked_all_or_nothing_when_one_gpu_loses_its_race() -> None:
+    ledger = MemoryLedger()
+    ledger.conflict_on = {"GPU-b"}
+    a = admitter(ledger)
+    review = await a.review(request("4096", annotations={"gpu-count": "2"}))
+    assert review["response"]["allowed"]
+    assert len(ledger.withdrawn) == 1  # the first try's GPU-a booking, taken back
+    assert sorted(o.spec.gpu_uuid for o in ledger.objects) == ["GPU-a", "GPU-b"]
+    assert ledger.withdrawn[0] not in {o.name for o in ledger.objects}
+    assert a.metrics.conflicts._value.get() == 1
+
+
+async def test_a_reinvocation_of_a_pod_with_two_gpus_books_nothing_more() -> None:
+    ledger = MemoryLedger()
+    a = admitter(ledger)
+    req = request("4096", annotations={"gpu-count": "2"})
+    first = await a.review(req)
+    again = await a.review(applied(req, first))
+    assert len(ledger.objects) == 2
+    ops = {op["path"]: op["value"] for op in patch_of(again)}
+    sidecar = {e["name"]: e.get("value") for e in ops["/spec/containers/1/env"]}
+    assert (sidecar["NVIDIA_VISIBLE_DEVICES"], sidecar["CUDA_VISIBLE_DEVICES"]) == ("GPU-a,GPU-b", "0,1")
+
+
+async def test_a_set_no_node_can_take_is_refused_naming_the_closest_node() -> None:
+    ledger = MemoryLedger()
+    review = await admitter(ledger).review(request("12000", annotations={"gpu-count": "2"}))
+    status = review["response"]["status"]
+    assert status["code"] == 403
+    assert status["message"].startswith(
+        "no node has 2 GPUs with 12000 MiB of headroom each for pod airflow/task; the closest is node "
+        "node-a, where 1 of the 2 GPUs needed has room: GPU-a (index 0) 16384 MiB."
+    )
+    assert ledger.objects == []
+
+
+async def test_a_set_is_neither_held_nor_queued() -> None:
+    ledger = MemoryLedger()
+    review = await admitter(ledger, hold_min_mib=1, queue_by_default=True).review(
+        request("12000", annotations={"gpu-count": "2"})
+    )
+    assert review["response"]["allowed"] is False
+    assert ledger.objects == []
+
+
+@pytest.mark.parametrize("value", ["0", "3", "two"])
+async def test_a_bad_gpu_count_is_a_400_naming_it(value: str) -> None:
+    review = await admitter(MemoryLedger(), max_gpus_per_pod=2).review(
+        request("4096", annotations={"gpu-count": value})
+    )
+    status = review["response"]["status"]
+    assert status["code"] == 400
+    assert f'annotation "gpu-count" has value {value!r}' in status["message"]
+    assert "between 1 and 2" in status["message"]

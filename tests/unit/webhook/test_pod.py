@@ -226,3 +226,25 @@ def test_device_plugin_resources_are_detected() -> None:
     p["spec"]["containers"][0]["resources"] = {"limits": {"nvidia.com/gpu": 1, "cpu": "1"}}
     assert requested_device_resources(p) == ["nvidia.com/gpu"]
     assert requested_device_resources(pod()) == []
+
+
+def test_a_pod_with_several_gpus_sees_them_all_numbered_from_zero() -> None:
+    place = Placement(
+        reservation="task-1-abcd",
+        gpu_uuid="GPU-1",
+        gpu_index=2,
+        node="gpu-node-a",
+        more=(("GPU-2", 3), ("GPU-3", 0)),
+    )
+    two = pod(initContainers=[{"name": "init", "image": "x"}])
+    patched = apply(two, placement_patch(two, place))
+    for container in patched["spec"]["containers"] + patched["spec"]["initContainers"]:
+        assert ("NVIDIA_VISIBLE_DEVICES", "GPU-1,GPU-2,GPU-3") in env(container)
+        assert ("CUDA_VISIBLE_DEVICES", "0,1,2") in env(container)
+    annotations = patched["metadata"]["annotations"]
+    assert annotations["vramshare.io/gpu-uuid"] == "GPU-1,GPU-2,GPU-3"
+    assert annotations["vramshare.io/gpu-index"] == "2,3,0"
+    assert placement_of(patched) == place  # a reinvocation reads back the same set
+    broken = copy.deepcopy(patched)
+    broken["metadata"]["annotations"]["vramshare.io/gpu-index"] = "2,3"
+    assert placement_of(broken) is None
