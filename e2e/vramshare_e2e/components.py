@@ -28,6 +28,16 @@ POD_CREATE_RULES = [
         "scope": "Namespaced",
     }
 ]
+VRAMSHARE_RULES = [
+    *POD_CREATE_RULES,
+    {  # kubectl debug: the new containers get the pod's GPUs, or none (as the chart registers it)
+        "apiGroups": [""],
+        "apiVersions": ["v1"],
+        "operations": ["UPDATE"],
+        "resources": ["pods/ephemeralcontainers"],
+        "scope": "Namespaced",
+    },
+]
 
 
 def start_webhook(
@@ -90,7 +100,7 @@ def webhook_configuration(
                 "reinvocationPolicy": "IfNeeded",
                 "timeoutSeconds": timeout_s,
                 "clientConfig": {"url": f"https://127.0.0.1:{port}/mutate", "caBundle": ca},
-                "rules": POD_CREATE_RULES,
+                "rules": VRAMSHARE_RULES,
                 "namespaceSelector": {"matchLabels": {"vramshare-e2e/shard": shard}},
             }
         )

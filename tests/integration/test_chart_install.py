@@ -271,3 +271,65 @@ def test_pinning_annotations_cannot_be_changed_after_admission(stack: LocalClust
         check=False,
     )
     assert "patched" in allowed
+
+
+def test_no_way_around_pinning_and_hiding(stack: LocalCluster) -> None:
+    """With the chart's webhook rules and policy (runs after the flow above): kubectl debug containers
+    get the pod's GPU or none; a zero device-plugin request is hidden like any pod; a pod vramshare did
+    not admit cannot carry its labels."""
+
+    def create(pod: dict[str, Any], namespace: str = "jobs") -> Any:
+        body = {"apiVersion": "v1", "kind": "Pod", **pod}
+        body["metadata"]["namespace"] = namespace
+        body["spec"] = {
+            "containers": [{"name": "base", "image": "example.invalid/x"}],
+            **body.get("spec", {}),
+        }
+        return json.loads(stack.kubectl("create", "-f", "-", "-o", "json", stdin=json.dumps(body)))
+
+    gpu_pod = create({"metadata": {"name": "debugged", "annotations": {"gpu-mem-mb": "1000"}}})
+    uuid = gpu_pod["metadata"]["annotations"]["vramshare.io/gpu-uuid"]
+    create({"metadata": {"name": "plain-debugged"}})
+    for name, visible in (("debugged", uuid), ("plain-debugged", "none")):
+        stack.kubectl(
+            "debug", f"pod/{name}", "-n", "jobs", "--image=example.invalid/busybox", "--container=dbg"
+        )
+        pod = json.loads(stack.kubectl("get", "pod", name, "-n", "jobs", "-o", "json"))
+        (debug,) = pod["spec"]["ephemeralContainers"]
+        env = {e["name"]: e["value"] for e in debug["env"]}
+        assert env["NVIDIA_VISIBLE_DEVICES"] == visible
+    zero = create(
+        {
+            "metadata": {"name": "zero-gpus"},
+            "spec": {
+                "containers": [
+                    {
+                        "name": "base",
+                        "image": "example.invalid/cuda",
+                        "resources": {"limits": {"nvidia.com/gpu": "0"}},
+                    }
+                ]
+            },
+        }
+    )
+    assert {"name": "NVIDIA_VISIBLE_DEVICES", "value": "none"} in zero["spec"]["containers"][0]["env"]
+    forged = {
+        "metadata": {"name": "forged", "labels": {"vramshare.io/reservation": "debugged-x", "team": "a"}}
+    }
+    stripped = create(json.loads(json.dumps(forged)))  # managed: the keys are removed
+    assert stripped["metadata"]["labels"] == {"team": "a"}
+    refused = stack.kubectl(
+        "create",
+        "-f",
+        "-",
+        stdin=json.dumps(
+            {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                **forged,
+                "spec": {"containers": [{"name": "b", "image": "x"}]},
+            }
+        ),
+        check=False,
+    )
+    assert "only vramshare sets vramshare.io/* annotations and labels" in refused, refused

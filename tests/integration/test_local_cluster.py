@@ -58,8 +58,9 @@ def test_reservation_printer_columns_and_validation(cluster: LocalCluster, names
     }
     cluster.kubectl("create", "-f", "-", stdin=json.dumps(reservation))
     table = cluster.kubectl("get", "gpures", "-n", namespace).splitlines()
-    assert table[0].split() == ["NAME", "POD", "MIB", "NODE", "GPU", "INDEX", "PHASE", "QUEUE", "AGE"]
-    assert table[1].split()[:6] == ["r1", "task-1", "4096", "gpu-node-a", "GPU-1234", "1"]
+    assert table[0].split() == ["NAME", "POD", "MIB", "NODE", "GPU", "INDEX", "GPUS", "PHASE", "QUEUE", "AGE"]
+    # gpuCount defaults to 1 (the schema's default), so the GPUS column is never empty.
+    assert table[1].split()[:7] == ["r1", "task-1", "4096", "gpu-node-a", "GPU-1234", "1", "1"]
 
     bad = json.loads(json.dumps(reservation))
     bad["metadata"]["name"] = "r2"

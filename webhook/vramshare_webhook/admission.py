@@ -68,13 +68,16 @@ from vramshare_webhook.metrics import WebhookMetrics
 from vramshare_webhook.pod import (
     Placement,
     PodFacts,
+    claimed_marks,
     display_name,
+    ephemeral_patch,
     hide_gpus_patch,
     literal_env,
     placement_patch,
     queue_patch,
     read_pod,
     shape_problem,
+    strip_patch,
 )
 from vramshare_webhook.settings import WebhookSettings
 
@@ -239,11 +242,19 @@ class Admitter:
 
     async def decide(self, request: rv.Request) -> Decision:
         pod = request.object
-        if request.kind != "Pod" or request.operation != "CREATE":
+        debug = request.operation == "UPDATE" and request.sub_resource == "ephemeralcontainers"
+        if request.kind != "Pod" or (request.operation != "CREATE" and not debug):
             return Skip(reason=Reason.NOT_A_POD_CREATE)
         problem = shape_problem(pod)
         if problem is not None:
             return Invalid(reason=Reason.MALFORMED_POD, message=f"not a valid pod: {problem}")
+        if debug:  # kubectl debug: the new containers see the pod's GPUs, or none
+            ops = ephemeral_patch(pod)
+            return (
+                Hide(patch=ops, reason=Reason.EPHEMERAL_CONTAINERS)
+                if ops
+                else Skip(reason=Reason.NO_GPU_REQUEST)
+            )
         facts = read_pod(
             pod,
             annotation=self.settings.annotation,
@@ -251,8 +262,20 @@ class Admitter:
             namespace=request.namespace,
         )
         if facts.memory_request is None:
+            # Only pods vramshare admits carry vramshare.io/* keys: others lose them, with a warning.
+            marks = claimed_marks(pod)
+            warnings = (
+                (
+                    f"vramshare removed {', '.join(marks)}: only vramshare sets vramshare.io/* labels and "
+                    f'annotations, on pods it admits (those with annotation "{self.settings.annotation}")',
+                )
+                if marks
+                else ()
+            )
             if self.settings.hide_gpus and not facts.device_resources:
-                return Hide(patch=hide_gpus_patch(pod))
+                return Hide(patch=hide_gpus_patch(pod), warnings=warnings)
+            if marks:
+                return Hide(patch=strip_patch(pod), warnings=warnings)
             return Skip(reason=Reason.NO_GPU_REQUEST)
         if facts.device_resources:
             return Invalid(

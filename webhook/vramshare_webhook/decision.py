@@ -49,6 +49,7 @@ class Reason(StrEnum):
     CONTENTION = "contention"
     DEADLINE = "deadline"
     NAME_TAKEN = "name-taken"
+    EPHEMERAL_CONTAINERS = "ephemeral-containers"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,9 +61,13 @@ class Skip:
 
 @dataclass(frozen=True, kw_only=True)
 class Hide:
-    """A pod without a GPU request, given NVIDIA_VISIBLE_DEVICES=none."""
+    """A pod without a GPU request, given NVIDIA_VISIBLE_DEVICES=none (and stripped of vramshare.io/*
+    labels and annotations it set itself); or, for `Reason.EPHEMERAL_CONTAINERS`, the debug containers
+    added to a running pod, pinned to its GPUs or hidden like the pod."""
 
     patch: list[Operation]
+    reason: Reason = Reason.NO_GPU_REQUEST
+    warnings: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -152,12 +157,12 @@ def answer(decision: Decision, *, uid: str, settings: WebhookSettings) -> Answer
     match decision:
         case Skip(reason=reason):
             return Answer(review=rv.allowed(uid), outcome=Outcome.SKIPPED, reason=reason, log_fields={})
-        case Hide(patch=patch):
+        case Hide(patch=patch, reason=reason, warnings=warnings):
             return Answer(
-                review=rv.patched(uid, patch),
+                review=rv.patched(uid, patch, warnings=list(warnings) or None),
                 outcome=Outcome.HIDDEN,
-                reason=Reason.NO_GPU_REQUEST,
-                log_fields={},
+                reason=reason,
+                log_fields={"warnings": list(warnings)} if warnings else {},
             )
         case Invalid(reason=reason, message=message):
             return Answer(

@@ -12,6 +12,7 @@ operation each, which is simpler to get right than editing entries in place.
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -96,7 +97,7 @@ def shape_problem(pod: Obj) -> str | None:
             return "spec.affinity.nodeAffinity must follow the NodeAffinity schema"
     if spec.get("nodeName") is not None and not isinstance(spec["nodeName"], str):
         return "spec.nodeName must be a string"
-    for key in CONTAINER_LISTS:
+    for key in (*CONTAINER_LISTS, "ephemeralContainers"):
         listed = spec.get(key)
         if listed is None:
             continue
@@ -104,8 +105,11 @@ def shape_problem(pod: Obj) -> str | None:
             return f"spec.{key} must be a list of objects"
         for i, c in enumerate(listed):
             env = c.get("env")
-            if env is not None and not (isinstance(env, list) and all(isinstance(e, dict) for e in env)):
-                return f"spec.{key}[{i}].env must be a list of objects"
+            if env is not None and not (
+                isinstance(env, list)
+                and all(isinstance(e, dict) and isinstance(e.get("name", ""), str) for e in env)
+            ):
+                return f"spec.{key}[{i}].env must be a list of objects with a string name"
             resources = c.get("resources")
             if resources is not None and not (
                 isinstance(resources, dict)
@@ -142,15 +146,28 @@ def _containers(pod: Obj) -> list[tuple[str, int, Obj]]:
 
 
 def requested_device_resources(pod: Obj) -> list[str]:
-    """`nvidia.com/*` resources any container requests: such pods belong to the device plugin."""
+    """`nvidia.com/*` resources any container requests: such pods belong to the device plugin. A
+    quantity of zero asks for no device (the plugin gives the container none), so it does not count:
+    such a pod is hidden like any other, or a CUDA image in it would see every GPU."""
     found = set()
     for _, _, c in _containers(pod):
         resources = c.get("resources") or {}
         for section in ("limits", "requests"):
-            for name in resources.get(section) or {}:
-                if str(name).startswith("nvidia.com/"):
+            for name, quantity in (resources.get(section) or {}).items():
+                if str(name).startswith("nvidia.com/") and not _zero(quantity):
                     found.add(str(name))
     return sorted(found)
+
+
+_QUANTITY = re.compile(r"[+]?([0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+|[kMGTPE]i?|[mun])?", re.ASCII)
+
+
+def _zero(quantity: object) -> bool:
+    """Whether a resource quantity as the API server sends it ("0", "0m", "0.0", 0) is zero."""
+    if isinstance(quantity, int | float) and not isinstance(quantity, bool):
+        return quantity == 0
+    match = _QUANTITY.fullmatch(str(quantity).strip())
+    return match is not None and float(match.group(1)) == 0
 
 
 def _with_env(container: Obj, values: dict[str, str]) -> list[Obj]:
@@ -302,7 +319,7 @@ def queued_entry_of(pod: Obj) -> str | None:
 
 def hide_gpus_patch(pod: Obj) -> list[Operation]:
     """For pods without a GPU request: `NVIDIA_VISIBLE_DEVICES=none`, so CUDA images (which default to
-    `all`) see no GPU at all."""
+    `all`) see no GPU at all; and no vramshare.io/* labels or annotations (`strip_patch`)."""
     return [
         {
             "op": "add",
@@ -310,6 +327,48 @@ def hide_gpus_patch(pod: Obj) -> list[Operation]:
             "value": _with_env(c, {VISIBLE_DEVICES: "none"}),
         }
         for key, i, c in _containers(pod)
+    ] + strip_patch(pod)
+
+
+def claimed_marks(pod: Obj) -> list[str]:
+    """The vramshare.io/* labels and annotations a pod carries (only vramshare may set them)."""
+    meta = pod.get("metadata", {})
+    return [
+        f"{kind} {key}"
+        for kind, field in (("label", "labels"), ("annotation", "annotations"))
+        for key in (meta.get(field) if isinstance(meta.get(field), dict) else {})
+        if str(key).startswith(ANNOTATION_PREFIX)
+    ]
+
+
+def strip_patch(pod: Obj) -> list[Operation]:
+    """The pod's labels and annotations without any vramshare.io/* key (none when it has none): a pod
+    vramshare did not admit must not look like one to the controller."""
+    meta = pod.get("metadata", {})
+    ops: list[Operation] = []
+    for field in ("labels", "annotations"):
+        values = meta.get(field)
+        if isinstance(values, dict) and any(str(k).startswith(ANNOTATION_PREFIX) for k in values):
+            kept = {k: v for k, v in values.items() if not str(k).startswith(ANNOTATION_PREFIX)}
+            ops.append({"op": "add", "path": pointer("metadata", field), "value": kept})
+    return ops
+
+
+def ephemeral_patch(pod: Obj) -> list[Operation]:
+    """For debug containers added to a running pod (`kubectl debug`): the same GPUs as the pod's own
+    containers (from its placement annotations, which only vramshare writes), or none at all."""
+    annotations = pod_annotations(pod)
+    uuids = annotations.get(ANNOTATION_GPU_UUID, "")
+    placed = bool(uuids) and LABEL_RESERVATION in (pod.get("metadata", {}).get("labels") or {})
+    env = (
+        {VISIBLE_DEVICES: uuids, CUDA_DEVICES: ",".join(str(i) for i in range(len(uuids.split(","))))}
+        if placed
+        else {VISIBLE_DEVICES: "none"}
+    )
+    return [
+        {"op": "add", "path": pointer("spec", "ephemeralContainers", i, "env"), "value": _with_env(c, env)}
+        for i, c in enumerate(pod.get("spec", {}).get("ephemeralContainers") or [])
+        if isinstance(c, dict)
     ]
 
 

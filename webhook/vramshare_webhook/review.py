@@ -6,8 +6,11 @@ echoes the request UID.
 
 from __future__ import annotations
 
+import array
 import base64
+import itertools
 import json
+import re
 from dataclasses import dataclass
 from typing import Any, Literal, NotRequired, TypedDict
 
@@ -59,6 +62,8 @@ class Request:
     old_object: dict[str, Any] | None
     dry_run: bool
     username: str
+    sub_resource: str = ""
+    """`ephemeralcontainers` for `kubectl debug` adding a container to a running pod."""
 
 
 def decode(body: bytes, *, content_type: str) -> Request:
@@ -69,14 +74,14 @@ def decode(body: bytes, *, content_type: str) -> Request:
         raise BadRequestError("empty body: expected an AdmissionReview")
     if len(body) > MAX_BODY_BYTES:
         raise BadRequestError(f"body of {len(body)} bytes exceeds the {MAX_BODY_BYTES} byte limit")
+    if nesting_depth(body) > MAX_DEPTH:  # before parsing: Python's parser recurses
+        raise BadRequestError(f"body nests more than {MAX_DEPTH} levels deep")
     try:
         review = json.loads(body)
     except (ValueError, UnicodeDecodeError) as exc:
         raise BadRequestError(f"body is not valid JSON: {exc}") from None
-    except RecursionError:
+    except RecursionError:  # not reached after the depth check; kept so it can never be a 500
         raise BadRequestError(f"body nests more than {MAX_DEPTH} levels deep") from None
-    if _deeper_than(review, MAX_DEPTH):
-        raise BadRequestError(f"body nests more than {MAX_DEPTH} levels deep")
     if not isinstance(review, dict) or review.get("kind") != "AdmissionReview":
         raise BadRequestError("body is not an AdmissionReview")
     if review.get("apiVersion") != "admission.k8s.io/v1":
@@ -104,6 +109,7 @@ def decode(body: bytes, *, content_type: str) -> Request:
         old_object=old if isinstance(old, dict) else None,
         dry_run=request.get("dryRun") is True,
         username=str(user.get("username", "")),  # type: ignore[union-attr]
+        sub_resource=str(request.get("subResource") or ""),
     )
 
 
@@ -112,17 +118,17 @@ MAX_DEPTH = 100
 code walks them (and before Python's recursion limit turns one into an internal error)."""
 
 
-def _deeper_than(value: object, limit: int) -> bool:
-    """Whether `value` nests more than `limit` levels of objects and arrays (iteratively: no recursion)."""
-    stack: list[tuple[object, int]] = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        if isinstance(item, dict | list):
-            if depth > limit:
-                return True
-            children = item.values() if isinstance(item, dict) else item
-            stack.extend((child, depth + 1) for child in children if isinstance(child, dict | list))
-    return False
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
+_BRACKETS = bytes.maketrans(b"[{]}", b"\x01\x01\xff\xff")
+_NOT_BRACKETS = bytes(set(range(256)) - set(b"[]{}"))
+
+
+def nesting_depth(body: bytes) -> int:
+    """How deep the JSON text's arrays and objects nest (brackets inside strings do not count), counted
+    at C speed: strings are cut out, the brackets left become +1/-1 and the deepest running sum is the
+    depth. A malformed body gets some number; the parser refuses it afterwards."""
+    brackets = _JSON_STRING.sub(b"", body).translate(None, _NOT_BRACKETS).translate(_BRACKETS)
+    return max(itertools.accumulate(array.array("b", brackets)), default=0)
 
 
 def request_uid(body: bytes) -> str:

@@ -634,3 +634,82 @@ async def test_a_bad_gpu_count_is_a_400_naming_it(value: str) -> None:
     assert status["code"] == 400
     assert f'annotation "gpu-count" has value {value!r}' in status["message"]
     assert "between 1 and 2" in status["message"]
+
+
+def with_spec(req: rv.Request, **spec: Any) -> rv.Request:
+    pod = copy.deepcopy(req.object)
+    pod["spec"].update(spec)
+    return replace(req, object=pod)
+
+
+async def test_a_zero_device_plugin_request_does_not_escape_hiding() -> None:
+    zero = [{"name": "base", "image": "x", "resources": {"limits": {"nvidia.com/gpu": "0"}}}]
+    hidden = await admitter(MemoryLedger()).review(with_spec(request(None), containers=zero))
+    assert {"name": "NVIDIA_VISIBLE_DEVICES", "value": "none"} in env_list(hidden)
+    # With the annotation it is an ordinary vramshare pod, not a device-plugin one.
+    ledger = MemoryLedger()
+    admitted = await admitter(ledger).review(with_spec(request("4096"), containers=zero))
+    assert admitted["response"]["allowed"]
+    assert len(ledger.objects) == 1
+    one = [{"name": "base", "image": "x", "resources": {"limits": {"nvidia.com/gpu": "1"}}}]
+    plugin = await admitter(MemoryLedger()).review(with_spec(request(None), containers=one))
+    assert "patch" not in plugin["response"]  # the device plugin's pod: left alone
+
+
+def env_list(review: rv.Review) -> list[dict[str, Any]]:
+    return next(op["value"] for op in patch_of(review) if op["path"] == "/spec/containers/0/env")  # type: ignore[no-any-return]
+
+
+async def test_an_unannotated_pod_loses_the_vramshare_keys_it_set_itself() -> None:
+    forged = request(
+        None,
+        labels={"vramshare.io/reservation": "someone-elses", "team": "a"},
+        annotations={"vramshare.io/gpu-uuid": "GPU-a", "note": "x"},
+    )
+    review = await admitter(MemoryLedger()).review(forged)
+    ops = {op["path"]: op["value"] for op in patch_of(review)}
+    assert ops["/metadata/labels"] == {"team": "a"}
+    assert ops["/metadata/annotations"] == {"note": "x"}
+    (warning,) = review["response"]["warnings"]
+    assert "removed label vramshare.io/reservation, annotation vramshare.io/gpu-uuid" in warning
+    # Also where pods are not hidden (the device plugin's, or hiding turned off): only the keys go.
+    ops = {
+        op["path"]: op["value"]
+        for op in patch_of(await admitter(MemoryLedger(), hide_gpus=False).review(forged))
+    }
+    assert set(ops) == {"/metadata/labels", "/metadata/annotations"}
+
+
+def debug_request(annotations: dict[str, str], labels: dict[str, str]) -> rv.Request:
+    pod = {
+        "metadata": {"name": "task", "annotations": annotations, "labels": labels},
+        "spec": {
+            "containers": [{"name": "base", "image": "x"}],
+            "ephemeralContainers": [
+                {"name": "debugger", "image": "busybox", "env": [{"name": "A", "value": "1"}]}
+            ],
+        },
+    }
+    return replace(
+        request(), operation="UPDATE", object=pod, old_object=pod, sub_resource="ephemeralcontainers"
+    )
+
+
+async def test_debug_containers_see_the_pods_gpus_or_none() -> None:
+    placed = debug_request(
+        {"gpu-mem-mb": "4096", "vramshare.io/gpu-uuid": "GPU-a,GPU-b"},
+        {"vramshare.io/reservation": "task-1"},
+    )
+    review = await admitter(MemoryLedger()).review(placed)
+    (op,) = patch_of(review)
+    assert op["path"] == "/spec/ephemeralContainers/0/env"
+    assert op["value"] == [
+        {"name": "A", "value": "1"},
+        {"name": "NVIDIA_VISIBLE_DEVICES", "value": "GPU-a,GPU-b"},
+        {"name": "CUDA_VISIBLE_DEVICES", "value": "0,1"},
+    ]
+    for marks, labels in (({}, {}), ({"gpu-mem-mb": "4096"}, {})):  # not placed (yet): no GPU
+        (op,) = patch_of(await admitter(MemoryLedger()).review(debug_request(marks, labels)))
+        assert {"name": "NVIDIA_VISIBLE_DEVICES", "value": "none"} in op["value"]
+    other_update = replace(placed, sub_resource="")
+    assert "patch" not in (await admitter(MemoryLedger()).review(other_update))["response"]

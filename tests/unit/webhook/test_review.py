@@ -6,7 +6,9 @@ import base64
 import json
 
 import pytest
+from hypothesis import given
 
+from tests import hostile_reviews
 from vramshare_webhook import review as rv
 
 
@@ -79,3 +81,17 @@ def test_answers_echo_the_uid_and_encode_the_patch() -> None:
     assert rv.errored("u3", "boom")["response"]["status"]["code"] == 500
     assert rv.request_uid(body(uid="u9")) == "u9"
     assert rv.request_uid(b"garbage") == ""
+
+
+def _depth(value: object) -> int:
+    if isinstance(value, dict):
+        return 1 + max((_depth(v) for v in value.values()), default=0)
+    if isinstance(value, list):
+        return 1 + max((_depth(v) for v in value), default=0)
+    return 0
+
+
+@given(value=hostile_reviews.json_values)
+def test_nesting_depth_counts_arrays_and_objects_not_brackets_in_strings(value: object) -> None:
+    assert rv.nesting_depth(json.dumps(value).encode()) == _depth(value)
+    assert rv.nesting_depth(json.dumps({"s": '[[{\\"', "v": value}).encode()) == 1 + _depth(value)
