@@ -7,7 +7,9 @@ import asyncio
 import contextlib
 import logging
 import os
+import signal
 import sys
+from collections.abc import Coroutine
 from typing import Any
 
 import kopf
@@ -75,30 +77,43 @@ async def run(settings: ControllerSettings) -> None:
             namespace=settings.namespace,
             name=settings.lease_name,
             identity=settings.identity,
-            duration_s=settings.lease_duration_s,
+            timing=settings.lease,
         )
         source = DcgmSource(
             url=settings.prometheus_url, node_label=settings.node_label, selector=settings.metrics_selector
         )
-        # Lead while holding the Lease; on losing it (the API server was away for a whole lease
-        # duration, or another replica took over), stop acting and stand by again, without a restart.
-        while True:
-            await elector.acquire()
-            metrics.leader.set(1)
-            try:
-                state = ClusterState(kube)
-                ledger = KubeLedger(kube)
-                await lead(
-                    state,
-                    InventoryLoop(kube=kube, source=source, settings=settings, metrics=metrics, state=state),
-                    ReservationReconciler(kube=kube, settings=settings, metrics=metrics, state=state),
-                    QueueLoop(kube=kube, ledger=ledger, state=state, settings=settings, metrics=metrics),
-                    elector,
-                )
-            except LeadershipLostError as exc:
-                log.warning("stepped down: leadership lost", error=str(exc))
-            finally:
-                metrics.leader.set(0)
+        # Lead while holding the Lease; on losing it (no renewal within the renew deadline, or another
+        # replica took over), stop acting and stand by again, without a restart. On shutdown (SIGTERM)
+        # the loops stop first, then the Lease is released, so a stand-by takes over at once.
+        try:
+            while True:
+                await elector.acquire()
+                metrics.leader.set(1)
+                try:
+                    state = ClusterState(kube)
+                    ledger = KubeLedger(kube)
+                    await lead(
+                        state,
+                        InventoryLoop(
+                            kube=kube, source=source, settings=settings, metrics=metrics, state=state
+                        ),
+                        ReservationReconciler(kube=kube, settings=settings, metrics=metrics, state=state),
+                        QueueLoop(kube=kube, ledger=ledger, state=state, settings=settings, metrics=metrics),
+                        elector,
+                    )
+                except LeadershipLostError as exc:
+                    log.warning("stepped down: leadership lost", error=str(exc))
+                except ShutdownRequestedError:
+                    log.info("stopping: a signal was received")
+                    return
+                finally:
+                    metrics.leader.set(0)
+        finally:
+            await elector.release()
+
+
+class ShutdownRequestedError(Exception):
+    """SIGTERM or SIGINT arrived while leading."""
 
 
 async def lead(
@@ -145,6 +160,9 @@ async def lead(
         done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
         for task in done:
             task.result()
+            if task.get_name() == "kopf" and not stop.is_set():
+                # kopf takes SIGTERM/SIGINT over while it runs, and stops on them.
+                raise ShutdownRequestedError
     finally:
         stop.set()
         for task in tasks:
@@ -162,8 +180,20 @@ def main() -> None:
     logging.getLogger("kopf").setLevel(logging.WARNING)
     if settings.kubeconfig:
         os.environ["KUBECONFIG"] = settings.kubeconfig  # for kopf's login through the kubernetes client
-    with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(run(settings))
+    with contextlib.suppress(KeyboardInterrupt, asyncio.CancelledError):
+        asyncio.run(_until_stopped(run(settings)))
+
+
+async def _until_stopped(work: Coroutine[Any, Any, None]) -> None:
+    """Run `work`; SIGTERM or SIGINT cancel it, so its cleanup (the Lease's release) runs."""
+    task = asyncio.ensure_future(work)
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, task.cancel)
+    try:
+        await task
+    except asyncio.CancelledError:
+        log.info("stopped")
 
 
 if __name__ == "__main__":

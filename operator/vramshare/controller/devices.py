@@ -178,6 +178,29 @@ class InventoryLoop:
         self._export(statuses, reservations, now)
         return statuses
 
+    async def _write_status(self, device: GpuDevice, desired: DeviceStatus) -> GpuDevice | None:
+        """Write `desired` on the device as read, never over a newer sample: two controllers that both
+        act for a moment during a handover then leave the newest sample in place, whatever order their
+        writes land in. A 409 (a webhook's commit moved the resourceVersion, or another writer) is read
+        again; None when the device already has a sample at least as new."""
+        for _ in range(3):
+            try:
+                written = await self.kube.merge_patch(
+                    f"{devices_path(device.meta.name)}/status",
+                    {
+                        "metadata": {"resourceVersion": device.meta.resource_version},
+                        "status": desired.to_wire(),
+                    },
+                )
+                return GpuDevice.from_wire(written)
+            except ApiError as exc:
+                if not exc.conflict:
+                    raise
+            device = GpuDevice.from_wire(await self.kube.get(devices_path(device.meta.name)))
+            if device.status is not None and device.status.sampled_at >= desired.sampled_at:
+                return None
+        return None
+
     async def _write_device(
         self, judged: Judged, device: GpuDevice | None, *, reservations: list[Reservation], now: float
     ) -> None:
@@ -203,10 +226,10 @@ class InventoryLoop:
         self._last_seen[gpu.uuid] = judged.last_seen_at
         if not _worth_writing(desired, previous, refresh_s=self.settings.accounting.max_sample_age_s / 4):
             return
-        written = await self.kube.merge_patch(
-            f"{devices_path(device.meta.name)}/status", {"status": desired.to_wire()}
-        )
-        self.state.devices.put(f"/{device.meta.name}", GpuDevice.from_wire(written))
+        written = await self._write_status(device, desired)
+        if written is None:
+            return
+        self.state.devices.put(f"/{device.meta.name}", written)
         if previous is None or previous.state != desired.state:
             log.info(
                 "GPU state changed",

@@ -7,6 +7,7 @@ import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
+from vramshare.controller.leader import LeaseTiming
 from vramshare.domain import Accounting, AllocationSettings, Policy, QueueSettings
 from vramshare.domain.inventory import InventorySettings
 from vramshare.settings import check_accounting, from_env, invalid
@@ -44,6 +45,11 @@ class ControllerSettings:
     namespace: str = "vramshare"
     lease_name: str = "vramshare-controller"
     lease_duration_s: float = 15.0
+    """A stand-by takes over a Lease it has seen unchanged for this long (by its own clock)."""
+    lease_renew_deadline_s: float = 10.0
+    """The leader steps down when it has not renewed for this long: shorter than the duration."""
+    lease_retry_period_s: float = 2.0
+    """How often the leader renews and a stand-by looks."""
     identity: str = ""
     """This replica's name in the Lease; defaults to hostname-pid."""
     metrics_port: int = 8080
@@ -59,6 +65,14 @@ class ControllerSettings:
         return QueueSettings(hold_limit_s=self.hold_limit_s)
 
     @property
+    def lease(self) -> LeaseTiming:
+        return LeaseTiming(
+            duration_s=self.lease_duration_s,
+            renew_deadline_s=self.lease_renew_deadline_s,
+            retry_period_s=self.lease_retry_period_s,
+        )
+
+    @property
     def inventory(self) -> InventorySettings:
         return InventorySettings(accounting=self.accounting, missing_grace_s=self.missing_grace_s)
 
@@ -68,6 +82,8 @@ class ControllerSettings:
             "poll_interval_s",
             "reservation_ttl_s",
             "lease_duration_s",
+            "lease_renew_deadline_s",
+            "lease_retry_period_s",
             "lifecycle_interval_s",
             "queue_interval_s",
             "unschedulable_warning_s",
@@ -75,6 +91,19 @@ class ControllerSettings:
         ):
             if getattr(self, name) <= 0:
                 raise invalid(name, getattr(self, name), "a positive number of seconds")
+        if self.lease_renew_deadline_s >= self.lease_duration_s:
+            raise invalid(
+                "lease_renew_deadline_s",
+                self.lease_renew_deadline_s,
+                f"seconds below lease_duration_s ({self.lease_duration_s:g}), so a leader steps down before "
+                "a stand-by may take over",
+            )
+        if self.lease_retry_period_s >= self.lease_renew_deadline_s:
+            raise invalid(
+                "lease_retry_period_s",
+                self.lease_retry_period_s,
+                f"seconds below lease_renew_deadline_s ({self.lease_renew_deadline_s:g})",
+            )
         if not self.prometheus_url.startswith(("http://", "https://")):
             raise invalid("prometheus_url", self.prometheus_url, "an http:// or https:// URL")
         if not self.identity:
