@@ -5,6 +5,9 @@
 - `null`: a TLS webhook that allows at once, the benchmark's measure of what a webhook call costs.
 - `delay-proxy`: a TCP proxy in front of a webhook that holds its answers back, so the API server gives
   up on the call while the webhook goes on (what a slow network or an overloaded node does).
+- `endpoints`: a TCP balancer in front of webhook replicas that sends each new connection to a replica
+  whose /readyz answers 200, as a Service does through its endpoints (which drop a pod that is not
+  ready or is terminating): the local control plane has no kube-proxy.
 
 Run one with `python -m vramshare_e2e.admission_parts MODE ...`; `start_*` below do it on a cluster.
 """
@@ -112,15 +115,81 @@ async def delay_proxy(*, listen: int, target: int, delay_s: float) -> None:
         await server.serve_forever()
 
 
+async def endpoints_balancer(*, listen: int, backends: list[int], interval_s: float = 0.2) -> None:
+    """Forward each new TCP connection to the next ready backend (round robin); a backend is ready
+    while its /readyz answers 200. Connections already open stay where they are, as with kube-proxy."""
+    ready: list[int] = []
+    context = ssl.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    turn = 0
+
+    async def probe() -> None:
+        nonlocal ready
+        while True:
+            now_ready = []
+            for port in backends:
+                try:
+                    reader, writer = await asyncio.wait_for(
+                        asyncio.open_connection("127.0.0.1", port, ssl=context), 1.0
+                    )
+                    writer.write(b"GET /readyz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                    status = await asyncio.wait_for(reader.readline(), 1.0)
+                    writer.close()
+                    if b" 200 " in status:
+                        now_ready.append(port)
+                except (OSError, TimeoutError, ssl.SSLError):
+                    pass
+            if now_ready != ready:
+                print(f"ready backends: {now_ready}", flush=True)
+            ready = now_ready
+            await asyncio.sleep(interval_s)
+
+    async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while data := await reader.read(65536):
+                writer.write(data)
+                await writer.drain()
+        except ConnectionError:
+            pass
+        finally:
+            writer.close()
+
+    async def handle(client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
+        nonlocal turn
+        if not ready:
+            client_writer.close()
+            return
+        turn += 1
+        port = ready[turn % len(ready)]
+        try:
+            server_reader, server_writer = await asyncio.open_connection("127.0.0.1", port)
+        except OSError:
+            client_writer.close()
+            return
+        await asyncio.gather(pipe(client_reader, server_writer), pipe(server_reader, client_writer))
+
+    prober = asyncio.create_task(probe())
+    server = await asyncio.start_server(handle, "127.0.0.1", listen)
+    async with server:
+        await server.serve_forever()
+    prober.cancel()
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="vramshare_e2e.admission_parts")
-    parser.add_argument("mode", choices=["label", "sidecar", "null", "delay-proxy"])
+    parser.add_argument("mode", choices=["label", "sidecar", "null", "delay-proxy", "endpoints"])
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--cert")
     parser.add_argument("--key")
     parser.add_argument("--target", type=int, help="delay-proxy: the port to forward to")
     parser.add_argument("--delay-s", type=float, default=0.0)
+    parser.add_argument("--backends", help="endpoints: the replicas' ports, comma-separated")
     args = parser.parse_args(argv)
+    if args.mode == "endpoints":
+        backends = [int(p) for p in args.backends.split(",")]
+        asyncio.run(endpoints_balancer(listen=args.port, backends=backends))
+        return
     if args.mode == "delay-proxy":
         asyncio.run(delay_proxy(listen=args.port, target=args.target, delay_s=args.delay_s))
         return
@@ -190,6 +259,19 @@ def start_delay_proxy(cluster: LocalCluster, *, name: str, target: int, delay_s:
         cluster,
         name=name,
         args=["delay-proxy", f"--port={port}", f"--target={target}", f"--delay-s={delay_s}"],
+        ready=lambda: _listening(port),
+    )
+    return port
+
+
+def start_endpoints(cluster: LocalCluster, *, backends: list[int]) -> int:
+    """A Service's worth of load balancing over the webhook replicas on `backends` (see
+    `endpoints_balancer`); returns the port to put in the webhook configuration."""
+    port = free_port()
+    _start(
+        cluster,
+        name="e2e-endpoints",
+        args=["endpoints", f"--port={port}", f"--backends={','.join(map(str, backends))}"],
         ready=lambda: _listening(port),
     )
     return port

@@ -165,6 +165,17 @@ def test_webhook_configuration() -> None:
     assert hide["namespaceSelector"]["matchLabels"] == {"vramshare.io/managed": "true"}
     assert env(find(docs, "Deployment", "-webhook"))["VRAMSHARE_HIDE_GPUS"] == "true"
 
+    for hook in (gpu, hide):  # kubectl debug containers are pinned or hidden too
+        assert [r["resources"] for r in hook["rules"]] == [["pods"], ["pods/ephemeralcontainers"]]
+        assert [r["operations"] for r in hook["rules"]] == [["CREATE"], ["UPDATE"]]
+    # A rolling update drains: preStop sleep, then the in-process delay, within the grace period.
+    pod = find(docs, "Deployment", "-webhook")["spec"]["template"]["spec"]
+    assert pod["containers"][0]["lifecycle"] == {"preStop": {"sleep": {"seconds": 5}}}
+    assert pod["terminationGracePeriodSeconds"] == 30
+    assert env(find(docs, "Deployment", "-webhook"))["VRAMSHARE_SHUTDOWN_DELAY_S"] == "3"
+    no_sleep = find(render("--set", "webhook.preStopSleepSeconds=0"), "Deployment", "-webhook")
+    assert "lifecycle" not in no_sleep["spec"]["template"]["spec"]["containers"][0]
+
     no_hide = render(*VARIANTS["no-hide"])
     assert len(find(no_hide, "MutatingWebhookConfiguration")["webhooks"]) == 1
     assert env(find(no_hide, "Deployment", "-webhook"))["VRAMSHARE_HIDE_GPUS"] == "false"

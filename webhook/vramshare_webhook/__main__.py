@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -89,7 +90,15 @@ async def serve(settings: WebhookSettings) -> None:
             namespace_labels=lambda namespace: namespaces.items.get(f"/{namespace}", {}),
             nodes=lambda: nodes.items.values(),
         )
-        runner = web.AppRunner(create_app(admitter=admitter, ready=ready), access_log=None)
+        stopping = asyncio.Event()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            asyncio.get_running_loop().add_signal_handler(signum, stopping.set)
+        runner = web.AppRunner(
+            create_app(admitter=admitter, ready=ready, draining=stopping.is_set),
+            access_log=None,
+            # Answers in flight when the listener closes are finished: they are bounded by the deadline.
+            shutdown_timeout=settings.decision_deadline_s + 2,
+        )
         await runner.setup()
         site = web.TCPSite(runner, settings.host, settings.port, ssl_context=tls.context, backlog=512)
         await site.start()
@@ -111,11 +120,17 @@ async def serve(settings: WebhookSettings) -> None:
         else:
             tasks.append(asyncio.create_task(secret.run(tls=tls, interval_s=settings.tls_sync_interval_s)))
         try:
-            await asyncio.Event().wait()
+            await stopping.wait()
+            # Drain: not ready at once (the endpoints drop this replica), still answering meanwhile,
+            # then no new connections, the answers in flight finished, and out.
+            log.info("draining", delay_s=settings.shutdown_delay_s)
+            await asyncio.sleep(settings.shutdown_delay_s)
         finally:
+            await runner.cleanup()
             for t in tasks:
                 t.cancel()
-            await runner.cleanup()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            log.info("stopped")
 
 
 def main() -> None:

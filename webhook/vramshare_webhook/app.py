@@ -14,7 +14,11 @@ from vramshare_webhook.admission import Admitter
 log = structlog.get_logger("vramshare.webhook")
 
 
-def create_app(*, admitter: Admitter, ready: Callable[[], bool]) -> web.Application:
+def create_app(
+    *, admitter: Admitter, ready: Callable[[], bool], draining: Callable[[], bool] = lambda: False
+) -> web.Application:
+    """The webhook's HTTP surface. While `draining` (after SIGTERM) it is not ready and closes each
+    connection after its answer, so clients open new ones to the replicas that stay."""
     app = web.Application(client_max_size=rv.MAX_BODY_BYTES + 1024)
 
     async def mutate(request: web.Request) -> web.Response:
@@ -30,12 +34,17 @@ def create_app(*, admitter: Admitter, ready: Callable[[], bool]) -> web.Applicat
         except web.HTTPRequestEntityTooLarge:
             admitter.metrics.decisions.labels("bad-request", "too-large").inc()
             return web.json_response({"error": "body exceeds the 7 MiB limit"}, status=400)
-        return web.json_response(await admitter.review(decoded))
+        response = web.json_response(await admitter.review(decoded))
+        if draining():
+            response.force_close()
+        return response
 
     async def healthz(_: web.Request) -> web.Response:
         return web.Response(text="ok")
 
     async def readyz(_: web.Request) -> web.Response:
+        if draining():
+            return web.Response(text="shutting down", status=503)
         return web.Response(text="ok") if ready() else web.Response(text="not ready", status=503)
 
     async def metrics(_: web.Request) -> web.Response:

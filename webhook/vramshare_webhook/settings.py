@@ -83,6 +83,10 @@ class WebhookSettings:
     reinvocation_window_s: float = 30.0
     """A reinvocation (a later webhook changed the pod) keeps the first pass's booking only while that
     booking is younger than this, unbound and untaken; keep it at least timeoutSeconds."""
+    shutdown_delay_s: float = 3.0
+    """On SIGTERM: how long the webhook keeps answering, already not ready, so the Service's
+    endpoints drop it before it stops listening (in-flight answers are then finished, within the
+    decision deadline). The chart's preStop sleep comes before this."""
     host: str = "0.0.0.0"
     port: int = 8443
     tls_mode: TlsMode = TlsMode.FILES
@@ -141,6 +145,8 @@ class WebhookSettings:
             raise invalid("max_gpus_per_pod", self.max_gpus_per_pod, "1 to 64")
         if self.near_tie_mib < 0:
             raise invalid("near_tie_mib", self.near_tie_mib, "0 or more MiB")
+        if not 0 <= self.shutdown_delay_s <= 60:
+            raise invalid("shutdown_delay_s", self.shutdown_delay_s, "0 to 60 seconds")
         if self.reinvocation_window_s <= 0:
             raise invalid("reinvocation_window_s", self.reinvocation_window_s, "a positive number of seconds")
         if self.tls_mode is TlsMode.FILES and not (self.tls_cert_file and self.tls_key_file):

@@ -111,3 +111,21 @@ async def test_deeply_nested_bodies_are_a_400_not_a_500() -> None:
             assert (await resp.json())["error"] == "body nests more than 100 levels deep"
         resp = await http.post("/mutate", data=review_body(), headers={"Content-Type": "application/json"})
         assert resp.status == 200
+
+
+async def test_while_draining_it_is_not_ready_and_closes_each_connection_after_its_answer() -> None:
+    draining = {"value": False}
+    app = create_app(
+        admitter=admitter(MemoryLedger()), ready=lambda: True, draining=lambda: draining["value"]
+    )
+    async with TestClient(TestServer(app)) as http:
+        json_type = {"Content-Type": "application/json"}
+        resp = await http.post("/mutate", data=review_body(), headers=json_type)
+        assert resp.headers.get("Connection", "").lower() != "close"
+        assert (await http.get("/readyz")).status == 200
+        draining["value"] = True
+        assert (await http.get("/readyz")).status == 503
+        resp = await http.post("/mutate", data=review_body(uid="u2"), headers=json_type)
+        assert resp.status == 200  # still answering while the endpoints catch up
+        assert (await resp.json())["response"]["uid"] == "u2"
+        assert resp.headers["Connection"].lower() == "close"
