@@ -208,7 +208,26 @@ def test_overuse_raises_a_condition_and_one_event_and_clears(
     core.delete_namespaced_pod("greedy", "jobs")
 
 
-def test_prometheus_outage_marks_stale_and_recovers(stack: LocalCluster) -> None:
+def live_bookings(stack: LocalCluster, core: client.CoreV1Api, name: str) -> dict[str, Any]:
+    """A running pod's booking, so an outage test has a live ledger to keep unchanged."""
+    pod = core.create_namespaced_pod("jobs", gpu_pod(name, 2000))
+    res = pod.metadata.annotations[ANNOTATION_RESERVATION]
+    eventually(lambda: phase_of(stack, res) == "Bound", what="Bound")
+    return ledger_of(stack)
+
+
+def ledger_of(stack: LocalCluster) -> dict[str, Any]:
+    """The bookings of running pods (Bound or Lost), with what makes them count."""
+    return {
+        r["metadata"]["name"]: (r["spec"], r["status"].get("phase"), r["status"].get("podUID"))
+        for r in json.loads(stack.kubectl("get", "gpures", "-n", "jobs", "-o", "json"))["items"]
+        if r.get("status", {}).get("phase") in ("Bound", "Lost")
+    }
+
+
+def test_prometheus_outage_marks_stale_and_recovers(stack: LocalCluster, core: client.CoreV1Api) -> None:
+    before = live_bookings(stack, core, "during-prometheus-outage")
+    assert any(phase == "Bound" for _, phase, _ in before.values())
     stack.stop_component("prometheus")
     try:
         eventually(
@@ -226,9 +245,12 @@ def test_prometheus_outage_marks_stale_and_recovers(stack: LocalCluster) -> None
     log = stack.components["controller-1"].log_path.read_text()
     assert log.count("Prometheus unreachable") == 1  # logged once per outage
     assert "Prometheus reachable again" in log
+    assert ledger_of(stack) == before  # no booking ended or moved: the pods still run
+    core.delete_namespaced_pod("during-prometheus-outage", "jobs")
 
 
-def test_exporter_outage_marks_stale_never_missing(stack: LocalCluster) -> None:
+def test_exporter_outage_marks_stale_never_missing(stack: LocalCluster, core: client.CoreV1Api) -> None:
+    before = live_bookings(stack, core, "during-exporter-outage")
     stack.stop_component("fake-dcgm-exporter")
     try:
         eventually(
@@ -238,6 +260,7 @@ def test_exporter_outage_marks_stale_never_missing(stack: LocalCluster) -> None:
         )
         time.sleep(5)  # longer than the missing grace
         assert {d["status"]["state"] for d in devices(stack).values()} == {"Stale"}
+        assert ledger_of(stack) == before  # a silent exporter is an outage: nothing Lost
     finally:
         stack.start_component("fake-dcgm-exporter")
     eventually(
@@ -245,6 +268,8 @@ def test_exporter_outage_marks_stale_never_missing(stack: LocalCluster) -> None:
         what="Ready again",
         timeout_s=30,
     )
+    assert ledger_of(stack) == before
+    core.delete_namespaced_pod("during-exporter-outage", "jobs")
 
 
 def test_killed_controller_loses_no_reservation(stack: LocalCluster, core: client.CoreV1Api) -> None:

@@ -150,6 +150,21 @@ def test_spoofed_variables_and_annotations_are_overwritten(
     assert env["VRAMSHARE_GPU_MEMORY_MIB"] == ["1000"]
     (res,) = reservations(cluster, gpu_namespace)
     assert res["metadata"]["name"] == created.metadata.annotations[ANNOTATION_RESERVATION] != "stolen"
+    # And it is logged, at warning level: what the pod tried to set, and who created it.
+    lines = [
+        json.loads(line)
+        for line in cluster.components["webhook-a"].log_path.read_text().splitlines()
+        if line.startswith("{") and "only vramshare sets" in line
+    ]
+    (logged,) = [line for line in lines if line["pod"].endswith("/spoof")]
+    assert logged["level"] == "warning"
+    assert sorted(logged["overwritten"]) == [
+        "annotation vramshare.io/gpu-uuid",
+        "annotation vramshare.io/other",
+        "annotation vramshare.io/reservation",
+        "containers[0].env CUDA_VISIBLE_DEVICES",
+        "containers[0].env NVIDIA_VISIBLE_DEVICES",
+    ]
 
 
 def test_dry_run_create_is_patched_but_reserves_nothing(

@@ -314,6 +314,13 @@ class Admitter:
             details["gpus"] = count
         if facts.overwritten:
             details["overwritten"] = list(facts.overwritten)
+            # Security-relevant: said at warning level, whatever the decision.
+            log.warning(
+                "pod set what only vramshare sets; overwritten",
+                pod=f"{request.namespace}/{facts.display_name}",
+                user=request.username,
+                overwritten=list(facts.overwritten),
+            )
         earlier = await self._earlier_pass(request, facts, mib=mib, details=details, queue=queue)
         if isinstance(earlier, Placement):
             known = {g.uuid: g for g in (await self.ledger.snapshot()).gpus}
