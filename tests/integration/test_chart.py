@@ -229,6 +229,22 @@ def test_optional_objects_and_pdb() -> None:
     assert '"title": "vramshare"' in dashboard["data"]["vramshare.json"]
     single = render("--set", "webhook.replicas=1")
     assert "PodDisruptionBudget" not in {d["kind"] for d in single}
+    # The webhook port: open by default, or only to the API server's addresses (and Prometheus).
+    (ingress,) = find(docs, "NetworkPolicy", "-webhook")["spec"]["ingress"]
+    assert "from" not in ingress
+    limited = render(
+        "--set",
+        "networkPolicy.enabled=true",
+        "--set",
+        "networkPolicy.webhookFrom[0].ipBlock.cidr=172.16.0.0/28",
+        "--set",
+        "networkPolicy.prometheusSelector.app=prometheus",
+    )
+    (ingress,) = find(limited, "NetworkPolicy", "-webhook")["spec"]["ingress"]
+    assert ingress["from"] == [
+        {"ipBlock": {"cidr": "172.16.0.0/28"}},
+        {"namespaceSelector": {}, "podSelector": {"app": "prometheus"}},
+    ]
 
 
 @pytest.mark.parametrize(

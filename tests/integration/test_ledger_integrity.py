@@ -351,7 +351,12 @@ def test_a_pod_carrying_anothers_reservation_label_changes_nothing(
             containers=[client.V1Container(name="c", image="example.invalid/x")], restart_policy="Never"
         ),
     )
-    core.create_namespaced_pod(ns, impostor)
+    # At creation the webhook removes the label (only vramshare's pods carry vramshare.io/* keys) ...
+    made = core.create_namespaced_pod(ns, impostor)
+    assert LABEL_RESERVATION not in (made.metadata.labels or {})
+    # ... but a cluster without the chart's policy lets it be added afterwards: the controller still
+    # must not take the impostor for the reservation's pod.
+    core.patch_namespaced_pod("impostor", ns, {"metadata": {"labels": {LABEL_RESERVATION: name}}})
     eventually(
         lambda: any(e.reason == "ReservationNotYours" for e in core.list_namespaced_event(ns).items),
         what="the ReservationNotYours event",

@@ -303,3 +303,44 @@ def test_concurrent_creations_over_two_replicas_never_overbook(
         f"\nadmitted {len(admitted)}/120 (per replica {per_replica}), conflicts retried {conflicts:.0f}, "
         f"decision latency p50 <= {quantile(ordered, 0.5)} s, p99 <= {quantile(ordered, 0.99)} s"
     )
+
+
+def test_forged_reviews_book_at_most_the_pending_limit(
+    cluster: LocalCluster, webhooks: dict[str, int], gpu_namespace: str
+) -> None:
+    """Whoever reaches the webhook port can send AdmissionReviews the API server never sent. Their
+    bookings have no pod, so they expire with the TTL; meanwhile at most `max_pending_per_namespace`
+    (100) stand per namespace."""
+    ctx = ssl.create_default_context()
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    allowed = 0
+    for i in range(110):
+        review = {
+            "apiVersion": "admission.k8s.io/v1",
+            "kind": "AdmissionReview",
+            "request": {
+                "uid": f"forged-{i}",
+                "operation": "CREATE",
+                "kind": {"kind": "Pod"},
+                "namespace": gpu_namespace,
+                "object": {
+                    "metadata": {"name": f"ghost-{i}", "annotations": {"gpu-mem-mb": "10"}},
+                    "spec": {"containers": [{"name": "base"}]},
+                },
+            },
+        }
+        req = urllib.request.Request(
+            f"https://127.0.0.1:{webhooks['a']}/mutate",
+            data=json.dumps(review).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(req, context=ctx, timeout=10) as resp:
+            answer = json.loads(resp.read())["response"]
+        allowed += answer["allowed"]
+        if not answer["allowed"]:
+            assert (
+                "already has 100 GPU bookings whose pods have not appeared yet" in answer["status"]["message"]
+            )
+    assert allowed == 100
+    assert len(reservations(cluster, gpu_namespace)) == 100

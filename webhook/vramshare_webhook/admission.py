@@ -159,6 +159,15 @@ def _holds_booking(snapshot: Snapshot, namespace: str, pod: str) -> bool:
     )
 
 
+def _pending_in(snapshot: Snapshot, namespace: str) -> int:
+    """Bookings in `namespace` whose pod has not appeared yet."""
+    if snapshot.index is not None:
+        return snapshot.index.pending_in(namespace)
+    return sum(
+        1 for r in snapshot.reservations if r.namespace == namespace and r.phase is ReservationPhase.RESERVED
+    )
+
+
 def _holds_of(snapshot: Snapshot, task_key: str) -> list[Reservation]:
     """The memory held for that task (by an earlier refusal of it)."""
     if snapshot.index is not None:
@@ -532,6 +541,15 @@ class Admitter:
                 f"model; the models are: {models} (exact, or a pattern with * and ?)",
             )
         alloc = self._onto_schedulable_nodes(alloc, facts, snapshot)
+        limit = self.settings.max_pending_per_namespace
+        if limit and not request.dry_run and _pending_in(snapshot, request.namespace) >= limit:
+            return Refuse(
+                reason=Reason.PENDING_LIMIT,
+                message=f"namespace {request.namespace} already has {limit} GPU bookings whose pods have not "
+                "appeared yet (webhook.settings.max_pending_per_namespace); each ends when its pod "
+                f"appears or expires. {self.settings.retry_hint}",
+                details=details,
+            )
         if request.name and _holds_booking(snapshot, request.namespace, request.name):
             # Confirm on a consistent view: the pod may have ended a moment ago.
             snapshot = await self.ledger.snapshot(fresh=True)

@@ -50,6 +50,7 @@ class Reason(StrEnum):
     DEADLINE = "deadline"
     NAME_TAKEN = "name-taken"
     EPHEMERAL_CONTAINERS = "ephemeral-containers"
+    PENDING_LIMIT = "pending-limit"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -107,6 +108,7 @@ class Refuse:
     details: Mapping[str, Any] = field(default_factory=dict)
     retry_after_s: int | None = None
     """With 429: when memory is expected to free (None: the configured Retry-After)."""
+    reason: Reason = Reason.NO_GPU_FITS
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -188,12 +190,12 @@ def answer(decision: Decision, *, uid: str, settings: WebhookSettings) -> Answer
             | Contention(message=message, details=details)
             | Late(message=message, details=details)
         ):
-            why = {Refuse: Reason.NO_GPU_FITS, Contention: Reason.CONTENTION, Late: Reason.DEADLINE}
+            why = {Contention: Reason.CONTENTION, Late: Reason.DEADLINE}
             after = decision.retry_after_s if isinstance(decision, Refuse) else None
             return Answer(
                 review=_deny(uid, message, settings, retry_after_s=after),
                 outcome=Outcome.REFUSED,
-                reason=why[type(decision)],
+                reason=decision.reason if isinstance(decision, Refuse) else why[type(decision)],
                 log_fields=details,
             )
         case NameTaken(message=message):

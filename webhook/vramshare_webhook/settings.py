@@ -40,6 +40,10 @@ class WebhookSettings:
     annotation: str = DEFAULT_ANNOTATION
     """The pod annotation carrying the memory request in MiB."""
     max_request_mib: int = DEFAULT_MAX_MIB
+    max_pending_per_namespace: int = 100
+    """At most this many bookings per namespace whose pods have not appeared yet (0: no limit). A
+    real pod appears milliseconds after its admission; a flood of forged or failing admissions is
+    bounded by this, each such booking for the reservation TTL."""
     max_gpus_per_pod: int = DEFAULT_MAX_GPUS
     """The most GPUs one pod may ask for with the annotation gpu-count (all on one node)."""
     policy: Policy = Policy.SPREAD
@@ -141,6 +145,8 @@ class WebhookSettings:
             raise invalid("max_holds", self.max_holds, "0 or more")
         if self.hold_limit_s <= 0:
             raise invalid("hold_limit_s", self.hold_limit_s, "a positive number of seconds")
+        if self.max_pending_per_namespace < 0:
+            raise invalid("max_pending_per_namespace", self.max_pending_per_namespace, "0 (no limit) or more")
         if not 1 <= self.max_gpus_per_pod <= 64:
             raise invalid("max_gpus_per_pod", self.max_gpus_per_pod, "1 to 64")
         if self.near_tie_mib < 0:

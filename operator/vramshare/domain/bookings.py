@@ -32,6 +32,8 @@ class LedgerIndex:
         self._members: dict[str, Reservation] = {}
         self._sums: dict[str, _GpuSums] = {}
         self._holding_pods: dict[tuple[str, str], int] = {}
+        self._pending: dict[str, int] = {}
+        """Namespace -> bookings still Reserved: made at admission, their pod not seen yet."""
         self._holds: dict[str, dict[str, Reservation]] = {}
         """Held-for key -> the holds kept for it, by reservation key."""
 
@@ -53,6 +55,8 @@ class LedgerIndex:
         if reservation.phase in (ReservationPhase.BOUND, ReservationPhase.LOST):
             pod = (reservation.namespace, reservation.pod)
             self._holding_pods[pod] = self._holding_pods.get(pod, 0) + 1
+        if reservation.phase is ReservationPhase.RESERVED:
+            self._pending[reservation.namespace] = self._pending.get(reservation.namespace, 0) + 1
         if reservation.held_for:
             self._holds.setdefault(reservation.held_for, {})[key] = reservation
 
@@ -66,6 +70,12 @@ class LedgerIndex:
             sums.not_started_mib -= old.mib
         else:
             sums.recent.pop(key, None)
+        if old.phase is ReservationPhase.RESERVED:
+            left = self._pending[old.namespace] - 1
+            if left:
+                self._pending[old.namespace] = left
+            else:
+                del self._pending[old.namespace]
         if old.held_for:
             holds = self._holds[old.held_for]
             del holds[key]
@@ -100,6 +110,10 @@ class LedgerIndex:
     def holds_pod(self, namespace: str, pod: str) -> bool:
         """Whether a pod of that name holds a Bound (or Lost) booking: it exists."""
         return (namespace, pod) in self._holding_pods
+
+    def pending_in(self, namespace: str) -> int:
+        """How many bookings in `namespace` wait for their pod (phase Reserved)."""
+        return self._pending.get(namespace, 0)
 
     def get(self, key: str) -> Reservation | None:
         return self._members.get(key)

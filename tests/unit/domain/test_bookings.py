@@ -7,9 +7,10 @@ from dataclasses import replace
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.unit.domain import builders
 from tests.unit.domain.builders import NOW
 from tests.unit.domain.test_properties import allocation_settings, fleet, requests, reservations
-from vramshare.domain import Gpu, LedgerIndex, Reservation, choose
+from vramshare.domain import Gpu, LedgerIndex, Reservation, ReservationPhase, choose
 from vramshare.domain.headroom import booked
 
 KEYS = [f"ns/r{i}" for i in range(8)]
@@ -66,3 +67,15 @@ def test_holds_pod_follows_bound_bookings() -> None:
     assert index.holds_pod("airflow", "task-1")
     index.put("ns/a", None)
     assert not index.holds_pod("airflow", "task-1")
+
+
+def test_pending_bookings_are_counted_per_namespace_as_they_come_and_go() -> None:
+    index = LedgerIndex()
+    index.put("a", builders.reservation(100, name="a", phase=ReservationPhase.RESERVED))
+    index.put("b", builders.reservation(100, name="b", phase=ReservationPhase.RESERVED))
+    index.put("c", builders.reservation(100, name="c", phase=ReservationPhase.BOUND))
+    assert index.pending_in("airflow") == 2
+    index.put("a", builders.reservation(100, name="a", phase=ReservationPhase.BOUND))  # its pod appeared
+    index.put("b", None)  # expired and gone
+    assert index.pending_in("airflow") == 0
+    assert index.pending_in("other") == 0

@@ -713,3 +713,28 @@ async def test_debug_containers_see_the_pods_gpus_or_none() -> None:
         assert {"name": "NVIDIA_VISIBLE_DEVICES", "value": "none"} in op["value"]
     other_update = replace(placed, sub_resource="")
     assert "patch" not in (await admitter(MemoryLedger()).review(other_update))["response"]
+
+
+async def test_bookings_whose_pods_never_appear_are_bounded_per_namespace() -> None:
+    ledger = MemoryLedger()
+    a = admitter(ledger, max_pending_per_namespace=3)
+    answers = [await a.review(request("100", uid=f"forged-{i}")) for i in range(5)]
+    assert [r["response"]["allowed"] for r in answers] == [True, True, True, False, False]
+    assert (
+        "namespace airflow already has 3 GPU bookings whose pods have not appeared yet"
+        in (answers[3]["response"]["status"]["message"])
+    )
+    assert len(ledger.objects) == 3
+    assert a.metrics.decisions.labels("refused", "pending-limit")._value.get() == 2
+    # Once a pod appears (the booking is Bound) there is room again; dry runs book nothing and pass.
+    first = ledger.objects[0]
+    bound = replace(
+        first,
+        spec=replace(first.spec, pod_name="first-pod"),
+        status=replace(first.status, phase=ReservationPhase.BOUND),
+    )
+    ledger.objects[0] = bound
+    assert (await a.review(request("100", uid="real")))["response"]["allowed"]
+    assert (await admitter(ledger, max_pending_per_namespace=1).review(request("100", dry_run=True)))[
+        "response"
+    ]["allowed"]
