@@ -43,6 +43,7 @@ async def _certificates(settings: WebhookSettings, kube: KubeClient) -> tuple[Re
         names=settings.tls_name_list,
         webhook_configuration=settings.webhook_configuration,
         serving_validity=dt.timedelta(seconds=settings.tls_serving_validity_s),
+        ca_validity=dt.timedelta(seconds=settings.tls_ca_validity_s),
     )
     while True:
         try:

@@ -23,23 +23,56 @@ SERVING_VALIDITY = dt.timedelta(days=365)
 
 @dataclass(frozen=True, kw_only=True)
 class Bundle:
-    """PEM bytes as stored in the Secret (`ca.crt`, `ca.key`, `tls.crt`, `tls.key`)."""
+    """PEM bytes as stored in the Secret (`ca.crt`, `ca.key`, `tls.crt`, `tls.key`, `ca-bundle.crt`)."""
 
     ca_cert: bytes
     ca_key: bytes
     cert: bytes
     key: bytes
+    trusted: bytes = b""
+    """Every CA clients must trust now: the current one, and after a CA rotation the previous one
+    until it expires, since replicas still serving its certificates are only told at their next sync."""
+
+    @property
+    def ca_bundle(self) -> bytes:
+        """What the webhook configuration's caBundle must hold."""
+        return self.trusted or self.ca_cert
 
     def to_secret_data(self) -> dict[str, bytes]:
-        return {"ca.crt": self.ca_cert, "ca.key": self.ca_key, "tls.crt": self.cert, "tls.key": self.key}
+        return {
+            "ca.crt": self.ca_cert,
+            "ca.key": self.ca_key,
+            "tls.crt": self.cert,
+            "tls.key": self.key,
+            "ca-bundle.crt": self.ca_bundle,
+        }
 
     @classmethod
     def from_secret_data(cls, data: dict[str, bytes]) -> Bundle | None:
         try:
             ca_cert, ca_key = data["ca.crt"], data["ca.key"]
-            return cls(ca_cert=ca_cert, ca_key=ca_key, cert=data["tls.crt"], key=data["tls.key"])
+            return cls(
+                ca_cert=ca_cert,
+                ca_key=ca_key,
+                cert=data["tls.crt"],
+                key=data["tls.key"],
+                trusted=data.get("ca-bundle.crt", b""),
+            )
         except KeyError:
             return None
+
+
+def _still_valid(pem_bundle: bytes, *, at: dt.datetime) -> list[bytes]:
+    """The certificates in a PEM bundle that are valid at `at`, each as PEM."""
+    try:
+        certs = x509.load_pem_x509_certificates(pem_bundle) if pem_bundle.strip() else []
+    except ValueError:
+        return []
+    return [
+        c.public_bytes(serialization.Encoding.PEM)
+        for c in certs
+        if c.not_valid_before_utc <= at < c.not_valid_after_utc
+    ]
 
 
 def _pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
@@ -123,8 +156,10 @@ def generate(
     serving_validity: dt.timedelta = SERVING_VALIDITY,
     ca_validity: dt.timedelta = CA_VALIDITY,
     keep_ca: Bundle | None = None,
+    previous: Bundle | None = None,
 ) -> Bundle:
-    """A serving certificate for `names` (DNS names or IPs), signed by `keep_ca`'s CA or a new one."""
+    """A serving certificate for `names` (DNS names or IPs), signed by `keep_ca`'s CA or a new one. The
+    CAs `previous` trusted that are still valid stay trusted next to it (the overlap of a CA rotation)."""
     if keep_ca is not None:
         ca_cert = x509.load_pem_x509_certificate(keep_ca.ca_cert)
         loaded = serialization.load_pem_private_key(keep_ca.ca_key, password=None)
@@ -134,9 +169,26 @@ def generate(
     else:
         ca_cert, ca_key = new_ca(common_name="vramshare-webhook-ca", now=now, validity=ca_validity)
     cert, key = _serving(ca_cert=ca_cert, ca_key=ca_key, names=names, now=now, validity=serving_validity)
+    ca_pem = ca_cert.public_bytes(serialization.Encoding.PEM)
+    older = _still_valid(previous.ca_bundle, at=now) if previous is not None else []
     return Bundle(
-        ca_cert=ca_cert.public_bytes(serialization.Encoding.PEM), ca_key=_pem_key(ca_key), cert=cert, key=key
+        ca_cert=ca_pem,
+        ca_key=_pem_key(ca_key),
+        cert=cert,
+        key=key,
+        trusted=b"".join([ca_pem, *(c for c in older if c != ca_pem)]),
     )
+
+
+def signed_by(cert_pem: bytes, ca_pem: bytes) -> bool:
+    """Whether the certificate was issued by that CA (its signature verifies)."""
+    try:
+        x509.load_pem_x509_certificate(cert_pem).verify_directly_issued_by(
+            x509.load_pem_x509_certificate(ca_pem)
+        )
+    except (ValueError, TypeError, InvalidSignature):
+        return False
+    return True
 
 
 def needs_renewal(bundle: Bundle | None, *, names: tuple[str, ...], at: dt.datetime) -> str | None:

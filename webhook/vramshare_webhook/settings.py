@@ -24,6 +24,8 @@ from vramshare.domain import (
 )
 from vramshare.settings import check_accounting, from_env, invalid
 
+MAX_SERVING_VALIDITY_S = 397 * 86400
+
 
 class TlsMode(StrEnum):
     FILES = "files"
@@ -100,6 +102,9 @@ class WebhookSettings:
     tls_names: str = ""
     """Comma-separated DNS names and IPs the API server reaches the webhook by (self-managed mode)."""
     tls_serving_validity_s: float = 365 * 86400.0
+    tls_ca_validity_s: float = 3650 * 86400.0
+    """Lifetime of the self-managed CA. When it would not outlive the next serving certificate a new CA
+    is made; the caBundle holds old and new together until the old one expires."""
     """Lifetime of a self-managed serving certificate; it is renewed when a third of it is left."""
     tls_sync_interval_s: float = 30.0
     webhook_configuration: str = "vramshare"
@@ -165,8 +170,19 @@ class WebhookSettings:
             raise invalid(
                 "tls_names", self.tls_names, "the DNS names or IPs the webhook is reached by, comma-separated"
             )
-        if self.tls_serving_validity_s < 60:
-            raise invalid("tls_serving_validity_s", self.tls_serving_validity_s, "at least 60 seconds")
+        if not 60 <= self.tls_serving_validity_s <= MAX_SERVING_VALIDITY_S:
+            raise invalid(
+                "tls_serving_validity_s",
+                self.tls_serving_validity_s,
+                f"60 to {MAX_SERVING_VALIDITY_S:g} seconds (397 days, the most browsers and most policies "
+                "accept for a serving certificate)",
+            )
+        if self.tls_ca_validity_s <= self.tls_serving_validity_s:
+            raise invalid(
+                "tls_ca_validity_s",
+                self.tls_ca_validity_s,
+                f"more seconds than tls_serving_validity_s ({self.tls_serving_validity_s:g})",
+            )
         return self
 
     @property

@@ -18,6 +18,10 @@ import structlog
 from vramshare.kube.client import ApiError, KubeClient, Obj
 from vramshare_webhook import certificates
 
+CA_SETTLE_S = 2.0
+"""After a CA rotation, how long a replica waits between publishing the new caBundle and serving a
+certificate of the new CA (the API server reads webhook configurations through a watch)."""
+
 log = structlog.get_logger("vramshare.webhook.tls")
 
 
@@ -75,6 +79,7 @@ class SecretTls:
         names: tuple[str, ...] = (),
         webhook_configuration: str = "",
         serving_validity: dt.timedelta = certificates.SERVING_VALIDITY,
+        ca_validity: dt.timedelta = certificates.CA_VALIDITY,
         clock: Callable[[], dt.datetime] = lambda: dt.datetime.now(dt.UTC),
     ) -> None:
         if manage and not names:
@@ -88,6 +93,7 @@ class SecretTls:
         self.names = names
         self.webhook_configuration = webhook_configuration
         self.serving_validity = serving_validity
+        self.ca_validity = ca_validity
         self.clock = clock
         self.cert_file = directory / "tls.crt"
         self.key_file = directory / "tls.key"
@@ -141,12 +147,15 @@ class SecretTls:
             if reason is None:
                 break
             # Keep the CA while it outlives the next serving certificate: the caBundle then stays valid.
+            # A new CA is published next to the old one, which stays trusted until it expires.
             keep = certificates.ca_usable(bundle, at=now + self.serving_validity)
             fresh = certificates.generate(
                 names=self.names,
                 now=now,
                 serving_validity=self.serving_validity,
+                ca_validity=self.ca_validity,
                 keep_ca=bundle if keep else None,
+                previous=bundle,
             )
             try:
                 await self._store(fresh, existing)
@@ -165,10 +174,15 @@ class SecretTls:
             raise RuntimeError("could not settle the serving certificate Secret (kept conflicting)")
         bundle, _ = await self._read()
         assert bundle is not None
-        changed = self._write(bundle)
+        # Trust first, then serve: the caBundle holds the new CA before any replica serves a
+        # certificate it signed, and still holds the old CA for the replicas that do not yet.
         if self.manage and self.webhook_configuration:
-            await self._inject(bundle.ca_cert)
-        return changed
+            await self._inject(bundle.ca_bundle)
+            if self.cert_file.exists() and not certificates.signed_by(
+                self.cert_file.read_bytes(), bundle.ca_cert
+            ):
+                await asyncio.sleep(CA_SETTLE_S)  # the API server's view of the caBundle catches up
+        return self._write(bundle)
 
     def _write(self, bundle: certificates.Bundle) -> bool:
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -181,7 +195,8 @@ class SecretTls:
             tmp.replace(path)
         return True
 
-    async def _inject(self, ca_pem: bytes) -> None:
+    async def _inject(self, ca_pem: bytes) -> bool:
+        """Keep `ca_pem` in every webhook's caBundle; True when it had to be written."""
         path = (
             "/apis/admissionregistration.k8s.io/v1/mutatingwebhookconfigurations/"
             + self.webhook_configuration
@@ -201,6 +216,7 @@ class SecretTls:
             )
             log.info("caBundle injected", configuration=self.webhook_configuration, webhooks=len(ops))
         self.injected = True
+        return bool(ops)
 
     async def run(self, *, tls: ReloadingTls, interval_s: float) -> None:
         while True:

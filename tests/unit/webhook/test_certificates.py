@@ -65,3 +65,25 @@ def test_ca_usable_judges_the_ca_alone() -> None:
         certificates.Bundle(ca_cert=bundle.ca_cert, ca_key=other.ca_key, cert=bundle.cert, key=bundle.key),
         at=NOW,
     )
+
+
+def test_a_new_ca_is_published_next_to_the_old_one_until_it_expires() -> None:
+    first = certificates.generate(names=NAMES, now=NOW, ca_validity=dt.timedelta(days=100))
+    assert first.ca_bundle == first.ca_cert
+    # The CA would not outlive the next serving certificate: a new one, trusted next to the old.
+    later = NOW + dt.timedelta(days=60)
+    assert not certificates.ca_usable(first, at=later + dt.timedelta(days=60))
+    second = certificates.generate(
+        names=NAMES, now=later, serving_validity=dt.timedelta(days=30), previous=first
+    )
+    assert second.ca_cert != first.ca_cert
+    assert second.ca_bundle == second.ca_cert + first.ca_cert
+    assert certificates.signed_by(second.cert, second.ca_cert)
+    assert not certificates.signed_by(first.cert, second.ca_cert)  # old replicas: trusted via the old CA
+    # Round trip through the Secret keeps the bundle; once the old CA expired it is dropped.
+    stored = certificates.Bundle.from_secret_data(second.to_secret_data())
+    assert stored == second
+    third = certificates.generate(
+        names=NAMES, now=NOW + dt.timedelta(days=101), keep_ca=second, previous=second
+    )
+    assert third.ca_bundle == second.ca_cert
