@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from vramshare.domain import ReservationPhase
-from vramshare.kube.client import Connection, KubeClient
+from vramshare.kube.client import Connection, KubeClient, list_all
 from vramshare.kube.objects import GpuDevice, GpuReservation
 from vramshare.kube.resources import devices_path, reservations_path
 
@@ -215,8 +215,8 @@ def to_json(status: Status) -> str:
 
 async def fetch(kubeconfig: str | None) -> Status:
     async with KubeClient(Connection.load(kubeconfig=kubeconfig), user_agent="vramshare-status") as kube:
-        devices = (await kube.list(devices_path())).get("items", [])
-        reservations = (await kube.list(reservations_path())).get("items", [])
+        devices = (await list_all(kube, devices_path())).get("items", [])
+        reservations = (await list_all(kube, reservations_path())).get("items", [])
     return from_objects(devices, reservations, now=time.time())
 
 

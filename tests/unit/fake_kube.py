@@ -58,6 +58,8 @@ class FakeKube:
     def __init__(self, *, clock: Callable[[], float] | None = None) -> None:
         self.objects: dict[str, Obj] = {}
         self.version = 0
+        self.pages = 0
+        """LIST answers given (a paged LIST is several)."""
         self.calls: list[tuple[str, str]] = []
         self.fail: Callable[[str, str], BaseException | None] = lambda op, path: None
         """Called before every operation with (operation, path); a returned exception is raised."""
@@ -137,7 +139,13 @@ class FakeKube:
             for p, o in sorted(self.objects.items())
             if (p.startswith(prefix) or _in_all_namespaces(p, path)) and _selected(o, label_selector)
         ]
-        return {"metadata": {"resourceVersion": str(self.version)}, "items": items}
+        start = int(continue_token or 0)
+        end = start + limit if limit else len(items)
+        meta: Obj = {"resourceVersion": str(self.version)}
+        if end < len(items):
+            meta["continue"] = str(end)
+        self.pages += 1
+        return {"metadata": meta, "items": items[start:end]}
 
     async def create(self, path: str, obj: Obj, *, dry_run: bool = False) -> Obj:
         self._check("create", path)

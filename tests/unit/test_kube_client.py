@@ -6,7 +6,8 @@ from pathlib import Path
 
 import yaml
 
-from vramshare.kube.client import Connection, KubeClient
+from tests.unit.fake_kube import FakeKube
+from vramshare.kube.client import Connection, KubeClient, list_all
 
 
 def write(tmp_path: Path, user: dict[str, str]) -> str:
@@ -43,3 +44,13 @@ def test_basic_auth_is_not_mistaken_for_a_token(tmp_path: Path) -> None:
     connection = Connection.load(kubeconfig=write(tmp_path, {"username": "x", "password": "y"}))
     assert connection.token is None
     assert "Authorization" not in KubeClient(connection)._headers()
+
+
+async def test_list_all_pages_through_a_large_collection() -> None:
+    kube = FakeKube()
+    for i in range(1234):
+        await kube.create("/apis/x/v1/namespaces/a/things", {"metadata": {"name": f"t{i:04d}"}})
+    listed = await list_all(kube, "/apis/x/v1/namespaces/a/things", page=500)
+    assert kube.pages == 3  # no answer held more than 500
+    assert [o["metadata"]["name"] for o in listed["items"]] == [f"t{i:04d}" for i in range(1234)]
+    assert listed["metadata"]["continue"] is None

@@ -13,7 +13,7 @@ import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Self
+from typing import Any, Protocol, Self
 from urllib.parse import urlencode
 
 import aiohttp
@@ -229,3 +229,48 @@ class KubeClient:
     async def delete(self, path: str, *, resource_version: str | None = None) -> Obj:
         body = {"preconditions": {"resourceVersion": resource_version}} if resource_version else None
         return await self.request("DELETE", path, body=body)
+
+
+class Lister(Protocol):
+    async def list(
+        self,
+        path: str,
+        *,
+        label_selector: str | None = None,
+        resource_version: str | None = None,
+        not_older_than: bool = False,
+        limit: int | None = None,
+        continue_token: str | None = None,
+    ) -> Obj: ...
+
+
+async def list_all(
+    kube: Lister,
+    path: str,
+    *,
+    label_selector: str | None = None,
+    resource_version: str | None = None,
+    not_older_than: bool = False,
+    page: int = 500,
+) -> Obj:
+    """LIST in pages of `page` items (the pages after the first are served at the first one's
+    resourceVersion, so together they are one consistent read), merged into one list. No single answer
+    grows with the collection, for the API server or for us."""
+    items: list[Obj] = []
+    token: str | None = None
+    first: Obj | None = None
+    while True:
+        answer = await kube.list(
+            path,
+            label_selector=label_selector,
+            resource_version=None if token else resource_version,
+            not_older_than=not_older_than and not token,
+            limit=page,
+            continue_token=token,
+        )
+        first = first or answer
+        items += answer.get("items") or []
+        token = (answer.get("metadata") or {}).get("continue")
+        if not token:
+            break
+    return {**first, "items": items, "metadata": {**(first.get("metadata") or {}), "continue": None}}

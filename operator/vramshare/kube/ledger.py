@@ -54,7 +54,7 @@ from typing import Any
 import structlog
 
 from vramshare.domain import Gpu, LedgerIndex, ReleaseLog, Reservation
-from vramshare.kube.client import ApiError, KubeClient, Obj
+from vramshare.kube.client import ApiError, KubeClient, Obj, list_all
 from vramshare.kube.objects import GpuDevice, GpuReservation
 from vramshare.kube.resources import (
     ANNOTATION_LEDGER,
@@ -258,9 +258,10 @@ class KubeLedger:
             return snapshot
 
     async def _read(self) -> Snapshot:
-        devices = await self.kube.list(devices_path())
+        devices = await list_all(self.kube, devices_path())
         # At least as new as the devices' list: every reservation committed before a token we hold.
-        listed = await self.kube.list(
+        listed = await list_all(
+            self.kube,
             reservations_path(),
             label_selector=ACTIVE,
             resource_version=devices["metadata"]["resourceVersion"],
