@@ -86,4 +86,5 @@ def test_admission_smoke(tmp_path: Path) -> None:
     for scale in report["scale"]:
         assert scale["errors"] == 0
         assert all(v > 0 for v in scale["webhook_rss_mib"].values())
+        assert scale["controller_rss_mib"] > 0
     assert all(v > 0 for v in report["decision_curve"]["ms"].values())

@@ -3,6 +3,8 @@ settings named as the components name them, hardened pods, CRDs identical to crd
 
 from __future__ import annotations
 
+import re
+import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -10,10 +12,12 @@ from typing import Any
 import pytest
 import yaml
 
+from vramshare.controller.metrics import ControllerMetrics
 from vramshare.controller.settings import ControllerSettings
 from vramshare.domain import Accounting
 from vramshare.settings import variables
 from vramshare_e2e.cluster import tools_bin_dir
+from vramshare_webhook.metrics import WebhookMetrics
 from vramshare_webhook.settings import WebhookSettings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -213,11 +217,23 @@ def test_tls_modes() -> None:
     )
 
     cm = render(*VARIANTS["cert-manager"])
-    assert find(cm, "Certificate")["spec"]["secretName"] == "t-vramshare-webhook-tls"
+    assert find(cm, "Certificate", "webhook")["spec"]["secretName"] == "t-vramshare-webhook-tls"
     assert find(cm, "MutatingWebhookConfiguration")["metadata"]["annotations"] == {
         "cert-manager.io/inject-ca-from": "vramshare/t-vramshare-webhook"
     }
-    assert find(cm, "Issuer")["spec"] == {"selfSigned": {}}
+    # A CA chain: self-signed -> a 10-year CA -> a CA Issuer that signs the serving certificate, so
+    # the injected caBundle does not change at every serving-certificate renewal.
+    issuers = {d["metadata"]["name"]: d["spec"] for d in cm if d["kind"] == "Issuer"}
+    assert issuers == {
+        "t-vramshare-webhook-selfsigned": {"selfSigned": {}},
+        "t-vramshare-webhook": {"ca": {"secretName": "t-vramshare-webhook-ca"}},
+    }
+    ca = find(cm, "Certificate", "-webhook-ca")["spec"]
+    assert (ca["isCA"], ca["issuerRef"]["name"]) == (True, "t-vramshare-webhook-selfsigned")
+    assert find(cm, "Certificate", "webhook")["spec"]["issuerRef"] == {
+        "kind": "Issuer",
+        "name": "t-vramshare-webhook",
+    }
 
 
 def test_optional_objects_and_pdb() -> None:
@@ -275,3 +291,91 @@ def test_bad_values_are_refused_with_a_readable_message(values: list[str], messa
     result = helm("template", "t", str(CHART), "--kube-version", KUBE_VERSION, *values, check=False)
     assert result.returncode != 0
     assert message in result.stderr, result.stderr
+
+
+def test_as_a_subchart_with_a_parents_global_values(tmp_path: Path) -> None:
+    """A parent chart (as a platform's umbrella chart would) with its own global keys and overrides."""
+    parent = tmp_path / "platform"
+    (parent / "charts").mkdir(parents=True)
+    shutil.copytree(CHART, parent / "charts" / "vramshare")
+    (parent / "Chart.yaml").write_text(
+        "apiVersion: v2\nname: platform\nversion: 1.0.0\n"
+        "dependencies:\n  - name: vramshare\n    version: '>=0.0.0-0'\n"
+    )
+    (parent / "values.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "global": {
+                    "imageRegistry": "registry.example",
+                    "storageClass": "fast",
+                    "labels": {"team": "ml"},
+                },
+                "vramshare": {"nameOverride": "gpushare", "webhook": {"replicas": 1}},
+            }
+        )
+    )
+    helm("lint", str(parent))
+    out = helm("template", "p", str(parent), "-n", "platform", "--kube-version", KUBE_VERSION).stdout
+    docs = [d for d in yaml.safe_load_all(out) if d]
+    webhook = find(docs, "Deployment", "-webhook")
+    assert webhook["metadata"]["name"] == "p-gpushare-webhook"
+    assert webhook["metadata"]["labels"]["app.kubernetes.io/name"] == "gpushare"
+    assert webhook["metadata"]["labels"]["team"] == "ml"  # the parent's global.labels reach the subchart
+    assert webhook["spec"]["selector"]["matchLabels"]["app.kubernetes.io/name"] == "gpushare"
+
+
+def test_names_security_context_port_and_host_network_are_values() -> None:
+    docs = render(
+        "--set",
+        "fullnameOverride=gpu",
+        "--set",
+        "securityContext.runAsUser=null",
+        "--set",
+        "securityContext.runAsGroup=null",
+        "--set",
+        "webhook.port=10250",
+        "--set",
+        "webhook.hostNetwork=true",
+        "--set",
+        "networkPolicy.enabled=true",
+    )
+    webhook = find(docs, "Deployment", "gpu-webhook")
+    pod = webhook["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    # OpenShift assigns the user from the namespace's range: none is set, the rest stays restricted.
+    assert "runAsUser" not in container["securityContext"]
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert (pod["hostNetwork"], pod["dnsPolicy"]) == (True, "ClusterFirstWithHostNet")
+    assert container["ports"] == [{"name": "https", "containerPort": 10250}]
+    assert env(webhook)["VRAMSHARE_PORT"] == "10250"
+    (ingress,) = find(docs, "NetworkPolicy", "gpu-webhook")["spec"]["ingress"]
+    assert ingress["ports"] == [{"port": 10250, "protocol": "TCP"}]
+    assert find(docs, "Service", "gpu-webhook")["spec"]["ports"][0]["targetPort"] == "https"
+    plain = find(render(), "Deployment", "-webhook")["spec"]["template"]["spec"]
+    assert "hostNetwork" not in plain
+    assert plain["containers"][0]["securityContext"]["runAsUser"] == 65532
+
+
+def test_alerts_read_metrics_vramshare_exports_and_helm_test_checks_the_webhook() -> None:
+    docs = render("--set", "prometheusRule.enabled=true")
+    rules = find(docs, "PrometheusRule")["spec"]["groups"][0]["rules"]
+    assert {r["alert"] for r in rules} >= {
+        "VramshareWebhookErrors",
+        "VramshareNoLeader",
+        "VramshareInventoryStale",
+        "VramshareGpuOverused",
+    }
+    exported = set()
+    for registry in (ControllerMetrics().registry, WebhookMetrics().registry):
+        for family in registry.collect():
+            exported |= {family.name, f"{family.name}_total"}
+    for rule in rules:
+        used = set(re.findall(r"\bvramshare_[a-z_]+", rule["expr"]))
+        assert used, rule
+        assert used <= exported, (rule["alert"], used - exported)
+        assert rule["labels"]["severity"] in ("warning", "critical")
+    assert "PrometheusRule" not in {d["kind"] for d in render()}
+    (test_pod,) = [d for d in render() if d["metadata"].get("annotations", {}).get("helm.sh/hook") == "test"]
+    script = test_pod["spec"]["containers"][0]["args"][0]
+    assert "https://t-vramshare-webhook.vramshare.svc:443/mutate" in script
+    assert test_pod["spec"]["volumes"][0]["secret"]["secretName"] == "t-vramshare-webhook-tls"
