@@ -16,6 +16,7 @@ from vramshare.controller.metrics import ControllerMetrics
 from vramshare.controller.settings import ControllerSettings
 from vramshare.domain import Accounting
 from vramshare.settings import variables
+from vramshare_e2e import chart_docs
 from vramshare_e2e.cluster import tools_bin_dir
 from vramshare_webhook.metrics import WebhookMetrics
 from vramshare_webhook.settings import WebhookSettings
@@ -379,3 +380,12 @@ def test_alerts_read_metrics_vramshare_exports_and_helm_test_checks_the_webhook(
     script = test_pod["spec"]["containers"][0]["args"][0]
     assert "https://t-vramshare-webhook.vramshare.svc:443/mutate" in script
     assert test_pod["spec"]["volumes"][0]["secret"]["secretName"] == "t-vramshare-webhook-tls"
+
+
+def test_the_chart_readme_is_generated_from_the_values_and_current() -> None:
+    documented = dict(chart_docs.documented_values((CHART / "values.yaml").read_text()))
+    assert "webhook.settings.max_pending_per_namespace" in documented
+    assert "networkPolicy.webhookFrom" in documented
+    assert (CHART / "README.md").read_text() == chart_docs.render(), (
+        "charts/vramshare/README.md is not current: run python -m vramshare_e2e.chart_docs"
+    )
