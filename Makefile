@@ -56,11 +56,11 @@ demo: venv tools ## The whole system on a local control plane: pods admitted, pl
 bench-admission: venv tools ## Pod creation through vramshare vs a no-webhook baseline; decision cost curve
 	$(BIN)/python -m vramshare_e2e.bench_admission --out bench/results
 
-.PHONY: bench-packing
 .PHONY: chart-docs
 chart-docs: venv ## Regenerate charts/vramshare/README.md from the comments in values.yaml
-	.venv/bin/python -m vramshare_e2e.chart_docs
+	$(BIN)/python -m vramshare_e2e.chart_docs
 
+.PHONY: bench-packing
 bench-packing: venv ## Packing quality of vramshare vs Kaapana-like, whole-GPU and time-slicing (simulated)
 	$(BIN)/python -m vramshare_e2e.bench_packing --out bench/results
 
