@@ -389,3 +389,20 @@ def test_the_chart_readme_is_generated_from_the_values_and_current() -> None:
     assert (CHART / "README.md").read_text() == chart_docs.render(), (
         "charts/vramshare/README.md is not current: run python -m vramshare_e2e.chart_docs"
     )
+
+
+def test_templated_crds_are_the_ones_in_crds_and_kept_on_uninstall() -> None:
+    assert "CustomResourceDefinition" not in {d["kind"] for d in render()}  # crds/ by default
+    templated = [d for d in render("--set", "crds.templated=true") if d["kind"] == "CustomResourceDefinition"]
+    files = {
+        d["metadata"]["name"]: d
+        for d in (yaml.safe_load(p.read_text()) for p in (CHART / "crds").glob("*.yaml"))
+    }
+    assert sorted(d["metadata"]["name"] for d in templated) == sorted(files)
+    for crd in templated:
+        assert crd["metadata"].pop("annotations") == {"helm.sh/resource-policy": "keep"}
+        assert crd == files[crd["metadata"]["name"]]
+    unkept = render("--set", "crds.templated=true", "--set", "crds.keep=false")
+    assert all(
+        not d["metadata"].get("annotations") for d in unkept if d["kind"] == "CustomResourceDefinition"
+    )

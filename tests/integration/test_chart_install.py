@@ -333,3 +333,38 @@ def test_no_way_around_pinning_and_hiding(stack: LocalCluster) -> None:
         check=False,
     )
     assert "only vramshare sets vramshare.io/* annotations and labels" in refused, refused
+
+
+def test_moving_to_templated_crds_upgrades_them_and_uninstall_keeps_them(stack: LocalCluster) -> None:
+    """The last test here: it uninstalls. Helm applies crds/ only at install; moving an installed release
+    to `crds.templated` means letting Helm adopt the CRDs (the README's steps), then upgrades carry them."""
+    for crd in ("gpudevices.vramshare.io", "gpureservations.vramshare.io"):
+        stack.kubectl("label", "crd", crd, "app.kubernetes.io/managed-by=Helm", "--overwrite")
+        stack.kubectl(
+            "annotate",
+            "crd",
+            crd,
+            "meta.helm.sh/release-name=t",
+            f"meta.helm.sh/release-namespace={NS}",
+            "--overwrite",
+        )
+    # The flow above pointed the webhook configuration at a loopback replica by hand: let Helm make it anew.
+    stack.kubectl("delete", "mutatingwebhookconfiguration", "t-vramshare")
+    helm(
+        stack,
+        "upgrade",
+        "t",
+        str(CHART),
+        "-n",
+        NS,
+        "--reuse-values",
+        "--set",
+        "crds.templated=true",
+        "--wait=false",
+    )
+    kept = json.loads(stack.kubectl("get", "crd", "gpureservations.vramshare.io", "-o", "json"))
+    assert kept["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    reservations_before = stack.kubectl("get", "gpureservations", "-A", "-o", "name")
+    helm(stack, "uninstall", "t", "-n", NS)
+    stack.kubectl("get", "crd", "gpureservations.vramshare.io")  # still there
+    assert stack.kubectl("get", "gpureservations", "-A", "-o", "name") == reservations_before
