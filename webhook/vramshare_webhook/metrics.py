@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
+from vramshare.metrics_common import register_standard
+
 
 class WebhookMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
+        register_standard(self.registry, component="webhook")
         self.decisions = Counter(
             "vramshare_webhook_decisions",
             "Admission decisions by outcome (admitted, refused, invalid, hidden, skipped, error) and reason.",

@@ -107,7 +107,7 @@ async def run(settings: ControllerSettings) -> None:
                     log.info("stopping: a signal was received")
                     return
                 finally:
-                    metrics.leader.set(0)
+                    metrics.step_down()
         finally:
             await elector.release()
 

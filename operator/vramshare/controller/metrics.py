@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from vramshare.metrics_common import register_standard
+
 
 class ControllerMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
+        register_standard(self.registry, component="controller")
         gpu = ["node", "uuid"]
         self.total = Gauge(
             "vramshare_gpu_total_mib", "GPU framebuffer memory, MiB.", gpu, registry=self.registry
@@ -83,3 +86,13 @@ class ControllerMetrics:
         self.leader = Gauge(
             "vramshare_controller_leader", "1 while this replica holds the lease.", registry=self.registry
         )
+
+    def step_down(self) -> None:
+        """Not leading: the leader's gauges go, so only the leader's figures are scraped and summed."""
+        self.leader.set(0)
+        for gauge in (self.total, self.used, self.reserved, self.headroom, self.sample_age, self.overused):
+            gauge.clear()
+        self.state.clear()
+        self.reservations.clear()
+        self.unschedulable_pods.set(0)
+        self.queued.set(0)
