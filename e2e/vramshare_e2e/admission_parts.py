@@ -5,6 +5,8 @@
 - `null`: a TLS webhook that allows at once, the benchmark's measure of what a webhook call costs.
 - `delay-proxy`: a TCP proxy in front of a webhook that holds its answers back, so the API server gives
   up on the call while the webhook goes on (what a slow network or an overloaded node does).
+- `auth-proxy`: an HTTPS reverse proxy in front of Prometheus that wants a bearer token and a tenant
+  header, as a Thanos, Mimir or managed-Prometheus gateway does.
 - `endpoints`: a TCP balancer in front of webhook replicas that sends each new connection to a replica
   whose /readyz answers 200, as a Service does through its endpoints (which drop a pod that is not
   ready or is terminating): the local control plane has no kube-proxy.
@@ -25,7 +27,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from aiohttp import web
+from aiohttp import ClientSession, web
 
 from vramshare_e2e.cluster import Component, LocalCluster, free_port, http_ok
 from vramshare_e2e.components import POD_CREATE_RULES
@@ -176,16 +178,51 @@ async def endpoints_balancer(*, listen: int, backends: list[int], interval_s: fl
     prober.cancel()
 
 
+def auth_proxy_app(*, target: str, token: str, header: str) -> web.Application:
+    """Forwards GETs to `target` only with `Authorization: Bearer <token>` and the `header` (name: value)
+    present; 401 otherwise. Counts what it let through at /stats."""
+    name, _, value = header.partition(":")
+    stats = {"allowed": 0, "refused": 0}
+
+    async def forward(request: web.Request) -> web.Response:
+        if request.path == "/stats":
+            return web.json_response(stats)
+        ok = request.headers.get("Authorization") == f"Bearer {token}"
+        ok = ok and request.headers.get(name.strip()) == value.strip()
+        if not ok:
+            stats["refused"] += 1
+            return web.Response(status=401, text="unauthorized")
+        stats["allowed"] += 1
+        async with ClientSession() as session, session.get(target + request.path_qs) as upstream:
+            body = await upstream.read()
+            return web.Response(status=upstream.status, body=body, content_type="application/json")
+
+    app = web.Application()
+    app.router.add_get("/{tail:.*}", forward)
+    return app
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="vramshare_e2e.admission_parts")
-    parser.add_argument("mode", choices=["label", "sidecar", "null", "delay-proxy", "endpoints"])
+    parser.add_argument(
+        "mode", choices=["label", "sidecar", "null", "delay-proxy", "endpoints", "auth-proxy"]
+    )
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--cert")
     parser.add_argument("--key")
     parser.add_argument("--target", type=int, help="delay-proxy: the port to forward to")
     parser.add_argument("--delay-s", type=float, default=0.0)
     parser.add_argument("--backends", help="endpoints: the replicas' ports, comma-separated")
+    parser.add_argument("--upstream", help="auth-proxy: the Prometheus URL")
+    parser.add_argument("--token", help="auth-proxy: the bearer token it wants")
+    parser.add_argument("--header", help="auth-proxy: the header it wants, as 'Name: value'")
     args = parser.parse_args(argv)
+    if args.mode == "auth-proxy":
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.load_cert_chain(args.cert, args.key)
+        app = auth_proxy_app(target=args.upstream, token=args.token, header=args.header)
+        web.run_app(app, host="127.0.0.1", port=args.port, ssl_context=context, print=None)
+        return
     if args.mode == "endpoints":
         backends = [int(p) for p in args.backends.split(",")]
         asyncio.run(endpoints_balancer(listen=args.port, backends=backends))
@@ -259,6 +296,28 @@ def start_delay_proxy(cluster: LocalCluster, *, name: str, target: int, delay_s:
         cluster,
         name=name,
         args=["delay-proxy", f"--port={port}", f"--target={target}", f"--delay-s={delay_s}"],
+        ready=lambda: _listening(port),
+    )
+    return port
+
+
+def start_auth_proxy(cluster: LocalCluster, *, token: str, header: str) -> int:
+    """An HTTPS gateway to the cluster's Prometheus that wants `token` and `header` (see
+    `auth_proxy_app`), with a certificate from the cluster's CA; returns its port."""
+    port = free_port()
+    pair = cluster.ca.issue("auth-proxy", common_name="auth-proxy", server_ips=("127.0.0.1",))
+    _start(
+        cluster,
+        name="e2e-auth-proxy",
+        args=[
+            "auth-proxy",
+            f"--port={port}",
+            f"--cert={pair.cert_path}",
+            f"--key={pair.key_path}",
+            f"--upstream={cluster.prometheus_url}",
+            f"--token={token}",
+            f"--header={header}",
+        ],
         ready=lambda: _listening(port),
     )
     return port

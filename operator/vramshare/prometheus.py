@@ -12,8 +12,10 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+import requests
 from prometheus_api_client import PrometheusConnect
 from urllib3.util.retry import Retry
 
@@ -79,18 +81,59 @@ def samples_from(
     return DcgmReading(samples=samples, skipped=skipped)
 
 
-class DcgmSource:
-    """Reads the fleet from Prometheus. `read()` runs the blocking client in a worker thread."""
+@dataclass(frozen=True, kw_only=True)
+class PrometheusAccess:
+    """How to reach Prometheus as production setups (Thanos, Mimir, managed Prometheus) require."""
 
-    def __init__(self, *, url: str, node_label: str, selector: str = "", timeout_s: float = 10.0) -> None:
+    ca_file: str = ""
+    """Verify the server against this CA bundle (default: the system's CAs)."""
+    insecure_skip_verify: bool = False
+    bearer_token_file: str = ""
+    """Sent as `Authorization: Bearer <token>`; read again for each reading, so a rotated token is used."""
+    basic_auth_username: str = ""
+    basic_auth_password_file: str = ""
+    headers: Mapping[str, str] | None = None
+    """Extra headers on every query, e.g. {"X-Scope-OrgID": "ml"} for a Mimir tenant."""
+
+
+class DcgmSource:
+    """Reads the fleet from Prometheus. `read()` runs the blocking client in a worker thread, so the
+    event loop (kopf's handlers, the lease) never waits on Prometheus."""
+
+    def __init__(
+        self,
+        *,
+        url: str,
+        node_label: str,
+        selector: str = "",
+        timeout_s: float = 10.0,
+        access: PrometheusAccess | None = None,
+    ) -> None:
         self.url = url
         self.node_label = node_label
         self.selector = selector
         self.timeout_s = timeout_s
+        self.access = access or PrometheusAccess()
         # No retries inside a reading: the next poll is the retry, and an outage must be seen quickly.
+        session = requests.Session()
+        session.verify = False if self.access.insecure_skip_verify else (self.access.ca_file or True)
+        auth = None
+        if self.access.basic_auth_username:
+            password = Path(self.access.basic_auth_password_file).read_text().strip()
+            auth = (self.access.basic_auth_username, password)
         self._client = PrometheusConnect(
-            url=url, disable_ssl=True, timeout=int(timeout_s), retry=Retry(total=0)
+            url=url,
+            session=session,
+            auth=auth,
+            timeout=int(timeout_s),
+            retry=Retry(total=0),
+            headers=dict(self.access.headers or {}),
         )
+
+    def _refresh_token(self) -> None:
+        if self.access.bearer_token_file:
+            token = Path(self.access.bearer_token_file).read_text().strip()
+            self._client.headers["Authorization"] = f"Bearer {token}"
 
     def _query(self, promql: str) -> list[dict[str, Any]]:
         try:
@@ -100,6 +143,10 @@ class DcgmSource:
         return list(result)
 
     def read_blocking(self) -> DcgmReading:
+        try:
+            self._refresh_token()
+        except OSError as exc:
+            raise PrometheusUnavailableError(f"{self.url}: cannot read the bearer token: {exc}") from exc
         sel = f"{{{self.selector}}}" if self.selector else ""
         results = {m: self._query(f"{m}{sel}") for m in (FREE, USED, RESERVED)}
         results["timestamp"] = self._query(f"timestamp({FREE}{sel})")

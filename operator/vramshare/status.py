@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
 from typing import Any
+
+import yaml
 
 from vramshare.domain import ReservationPhase
 from vramshare.kube.client import Connection, KubeClient, list_all
@@ -147,13 +150,15 @@ def short_uuid(uuid: str) -> str:
     return uuid[:12] + "…" if len(uuid) > 13 else uuid
 
 
-def render(status: Status, *, all_phases: bool = True) -> str:
+def render(status: Status, *, all_phases: bool = True, wide: bool = False) -> str:
+    """Two tables; `wide` adds the reservation's name and writes UUIDs in full."""
+    uuid_of = (lambda u: u) if wide else short_uuid
     gpu_rows = [
         [
             g.node,
             str(g.index),
             g.model,
-            short_uuid(g.uuid),
+            uuid_of(g.uuid),
             str(g.total_mib),
             str(g.used_mib),
             str(g.reserved_mib),
@@ -168,11 +173,12 @@ def render(status: Status, *, all_phases: bool = True) -> str:
     res_rows = [
         [
             r.namespace,
+            *([r.name] if wide else []),
             r.pod,
             f"{1 + len(r.more_gpus)}x{r.mib}" if r.more_gpus else str(r.mib),
             r.node or "-",
             ",".join(str(i) for i in (r.gpu_index, *(i for _, i in r.more_gpus))) if r.gpu_uuid else "-",
-            ",".join(short_uuid(u) for u in (r.gpu_uuid, *(u for u, _ in r.more_gpus))) or "-",
+            ",".join(uuid_of(u) for u in (r.gpu_uuid, *(u for u, _ in r.more_gpus))) or "-",
             f"{r.phase} #{r.queue_position}" if r.queue_position else r.phase,
             age(r.age_s),
         ]
@@ -199,7 +205,20 @@ def render(status: Status, *, all_phases: bool = True) -> str:
         else "No GPUs known (is the controller running?)"
     )
     reservations = (
-        _table(["NAMESPACE", "POD", "MIB", "NODE", "IDX", "GPU", "PHASE", "AGE"], res_rows)
+        _table(
+            [
+                "NAMESPACE",
+                *(["RESERVATION"] if wide else []),
+                "POD",
+                "MIB",
+                "NODE",
+                "IDX",
+                "GPU",
+                "PHASE",
+                "AGE",
+            ],
+            res_rows,
+        )
         if res_rows
         else "No reservations."
     )
@@ -213,27 +232,61 @@ def to_json(status: Status) -> str:
     )
 
 
-async def fetch(kubeconfig: str | None) -> Status:
-    async with KubeClient(Connection.load(kubeconfig=kubeconfig), user_agent="vramshare-status") as kube:
+async def fetch(
+    *, kubeconfig: str | None, context: str | None = None, namespace: str | None = None
+) -> Status:
+    async with KubeClient(
+        Connection.load(kubeconfig=kubeconfig, context=context), user_agent="vramshare-status"
+    ) as kube:
         devices = (await list_all(kube, devices_path())).get("items", [])
-        reservations = (await list_all(kube, reservations_path())).get("items", [])
+        reservations = (await list_all(kube, reservations_path(namespace))).get("items", [])
     return from_objects(devices, reservations, now=time.time())
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="vramshare", description="vramshare: GPUs shared by memory.")
+    parser = argparse.ArgumentParser(
+        prog="kubectl vramshare",
+        description="vramshare: GPUs shared by memory. Reservations of all namespaces unless -n is given.",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     status = sub.add_parser("status", help="GPUs and reservations of the current cluster")
-    status.add_argument("-o", "--output", choices=["table", "json"], default="table")
+    status.add_argument("-o", "--output", choices=["table", "wide", "json", "yaml"], default="table")
     status.add_argument("--kubeconfig", help="default: $KUBECONFIG or ~/.kube/config")
+    status.add_argument("--context", help="the kubeconfig context to use (default: its current one)")
+    scope = status.add_mutually_exclusive_group()
+    scope.add_argument("-n", "--namespace", help="only this namespace's reservations")
+    scope.add_argument("-A", "--all-namespaces", action="store_true", help="every namespace (the default)")
     status.add_argument("--active", action="store_true", help="only Queued, Reserved and Bound reservations")
+    status.add_argument("-w", "--watch", action="store_true", help="print again whenever something changed")
+    status.add_argument("--interval", type=float, default=2.0, help="with -w: seconds between reads")
     args = parser.parse_args(argv)
-    try:
-        current = asyncio.run(fetch(args.kubeconfig))
-    except Exception as exc:  # a CLI: say what went wrong in one line
-        print(f"vramshare status: cannot read the cluster: {exc}", file=sys.stderr)
-        sys.exit(1)
-    print(to_json(current) if args.output == "json" else render(current, all_phases=not args.active))
+    with contextlib.suppress(KeyboardInterrupt):  # -w ends with Ctrl-C
+        asyncio.run(_show(args))
+
+
+async def _show(args: argparse.Namespace) -> None:
+    last = None
+    while True:
+        try:
+            current = await fetch(kubeconfig=args.kubeconfig, context=args.context, namespace=args.namespace)
+        except Exception as exc:  # a CLI: say what went wrong in one line
+            print(f"vramshare status: cannot read the cluster: {exc}", file=sys.stderr)
+            sys.exit(1)
+        text = output(current, fmt=args.output, all_phases=not args.active)
+        if text != last:
+            print(text, flush=True)
+            last = text
+        if not args.watch:
+            return
+        await asyncio.sleep(args.interval)
+
+
+def output(status: Status, *, fmt: str, all_phases: bool = True) -> str:
+    if fmt == "json":
+        return to_json(status)
+    if fmt == "yaml":
+        return yaml.safe_dump(json.loads(to_json(status)), sort_keys=False).rstrip("\n")
+    return render(status, all_phases=all_phases, wide=fmt == "wide")
 
 
 if __name__ == "__main__":

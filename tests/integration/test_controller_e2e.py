@@ -5,6 +5,7 @@ GPUs and stops Prometheus."""
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from kubernetes import client, config
 
 from vramshare.kube.resources import ANNOTATION_GPU_UUID, ANNOTATION_RESERVATION, device_name
@@ -26,6 +28,7 @@ CONTROLLER_ENV = {
     "VRAMSHARE_LIFECYCLE_INTERVAL_S": "1",
     "VRAMSHARE_MAX_SAMPLE_AGE_S": "6",
     "VRAMSHARE_MISSING_GRACE_S": "4",
+    "VRAMSHARE_FORGET_MISSING_AFTER_S": "12",
     "VRAMSHARE_RESERVATION_TTL_S": "6",
     "VRAMSHARE_SETTLE_S": "2",
     "VRAMSHARE_SAFETY_MARGIN_MIB": "512",
@@ -357,7 +360,13 @@ def test_removed_gpu_goes_missing_and_its_reservations_lost(
 
 
 def test_replaced_uuid_shows_as_a_new_device(stack: LocalCluster) -> None:
-    node, gpu = next((n, g) for n, g in stack.exporter.fleet().all_gpus() if n.name == "gpu-node-a")
+    # A card with nothing booked on it (the pods of earlier tests still run on some), so that once
+    # Missing it is forgotten too.
+    node, gpu = next(
+        (n, g)
+        for n, g in stack.exporter.fleet().all_gpus()
+        if n.name == "gpu-node-a" and devices(stack)[g.uuid]["status"]["reservedMiB"] == 0
+    )
     stack.exporter.replace_uuid(gpu.uuid, "GPU-11111111-2222-3333-4444-555555555555")
     eventually(
         lambda: "GPU-11111111-2222-3333-4444-555555555555" in devices(stack),
@@ -376,6 +385,11 @@ def test_replaced_uuid_shows_as_a_new_device(stack: LocalCluster) -> None:
         "Ready",
     )
     print("\n" + stack.kubectl("get", "gpudevices,gpureservations", "-A"))
+    # Gone for good and nothing booked on it: after forget_missing_after_s its GpuDevice is deleted.
+    eventually(lambda: gpu.uuid not in devices(stack), what="old device forgotten", timeout_s=30)
+    events = json.loads(stack.kubectl("get", "events", "-n", "default", "-o", "json"))["items"]
+    (removed,) = [e for e in events if e["reason"] == "GpuDeviceRemoved" and gpu.uuid in e["message"]]
+    assert removed["involvedObject"]["kind"] == "GpuDevice"
 
 
 def test_invalid_setting_stops_the_controller_with_a_clear_message() -> None:
@@ -427,3 +441,50 @@ def test_vramshare_status_against_the_stack(stack: LocalCluster) -> None:
     )
     assert bad.returncode == 1
     assert bad.stderr.startswith("vramshare status: cannot read the cluster:")
+
+
+def test_the_kubectl_plugin_takes_kubectls_flags(stack: LocalCluster) -> None:
+    """--context, -n, -o yaml|wide and -w, as `kubectl vramshare status ...` is used."""
+    cli = Path(sys.executable).parent / "kubectl-vramshare"
+    context = stack.kubectl("config", "current-context").strip()
+
+    def run(*args: str) -> str:
+        return subprocess.run(
+            [str(cli), "status", "--kubeconfig", str(stack.kubeconfig), "--context", context, *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        ).stdout
+
+    everywhere = yaml.safe_load(run("-o", "yaml", "-A"))
+    in_jobs = yaml.safe_load(run("-o", "yaml", "-n", "jobs"))
+    assert {r["namespace"] for r in in_jobs["reservations"]} == {"jobs"}
+    assert len(everywhere["reservations"]) >= len(in_jobs["reservations"]) > 0
+    wide = run("-o", "wide", "-n", "jobs")
+    assert "RESERVATION" in wide
+    wrong = subprocess.run(
+        [str(cli), "status", "--kubeconfig", str(stack.kubeconfig), "--context", "no-such-context"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert wrong.returncode == 1
+    assert "no-such-context" in wrong.stderr
+    # -w prints again when something changes, until interrupted.
+    watching = subprocess.Popen(
+        [str(cli), "status", "--kubeconfig", str(stack.kubeconfig), "-w", "--interval", "0.5", "-n", "jobs"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        time.sleep(2)
+        stack.exporter.set_used(stack.settings.fleet.all_gpus()[0][1].uuid, 1_234)
+        time.sleep(4)
+    finally:
+        watching.send_signal(signal.SIGINT)
+        out, _ = watching.communicate(timeout=10)
+        stack.exporter.set_used(stack.settings.fleet.all_gpus()[0][1].uuid, 0)
+    assert watching.returncode == 0
+    assert out.count("GPUs\nNODE") >= 2, out

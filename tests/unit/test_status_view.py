@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 
+import yaml
+
 from tests.unit.domain.builders import NOW
 from vramshare.kube.resources import format_time
-from vramshare.status import GpuRow, bar, from_objects, render, to_json
+from vramshare.status import GpuRow, bar, from_objects, output, render, to_json
 
 DEVICE = {
     "metadata": {"name": "gpu-1234567890abcdef"},
@@ -162,3 +164,15 @@ def test_a_pod_with_several_gpus_is_one_row_listing_them() -> None:
     assert (row.name, row.gpu_uuid, row.more_gpus) == ("ddp-abc", "GPU-aaaa", (("GPU-bbbb", 3),))
     line = render(status).splitlines()[-1].split()
     assert line[:6] == ["airflow", "ddp", "2x8192", "gpu-node-a", "2,3", "GPU-aaaa,GPU-bbbb"]
+
+
+def test_wide_and_yaml_outputs() -> None:
+    status = from_objects([DEVICE], [RESERVATION], now=NOW)
+    wide = output(status, fmt="wide").splitlines()
+    header = wide[-2].split()
+    assert header[:3] == ["NAMESPACE", "RESERVATION", "POD"]
+    assert "GPU-1234567890abcdef" in wide[-1]  # in full
+    assert "GPU-12345678…" in output(status, fmt="table")
+    data = yaml.safe_load(output(status, fmt="yaml"))
+    assert data == json.loads(output(status, fmt="json"))
+    assert data["reservations"][0]["name"] == "train-abc"

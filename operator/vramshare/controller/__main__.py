@@ -80,7 +80,10 @@ async def run(settings: ControllerSettings) -> None:
             timing=settings.lease,
         )
         source = DcgmSource(
-            url=settings.prometheus_url, node_label=settings.node_label, selector=settings.metrics_selector
+            url=settings.prometheus_url,
+            node_label=settings.node_label,
+            selector=settings.metrics_selector,
+            access=settings.prometheus_access,
         )
         # Lead while holding the Lease; on losing it (no renewal within the renew deadline, or another
         # replica took over), stop acting and stand by again, without a restart. On shutdown (SIGTERM)

@@ -19,7 +19,7 @@ from vramshare.controller.metrics import ControllerMetrics
 from vramshare.controller.settings import ControllerSettings
 from vramshare.controller.state import ClusterState
 from vramshare.domain import Reservation
-from vramshare.domain.inventory import DeviceState, GpuPresence, Known, observe
+from vramshare.domain.inventory import DeviceState, GpuPresence, Known, observe, to_forget
 from vramshare.domain.inventory import DeviceStatus as Judged
 from vramshare.kube.client import ApiError, KubeClient
 from vramshare.kube.events import Event, Involved, post_event
@@ -172,11 +172,50 @@ class InventoryLoop:
             now=now,
             settings=self.settings.inventory,
         )
+        gone = to_forget(statuses, reservations=reservations, now=now, settings=self.settings.inventory)
         for judged in statuses:
-            await self._write_device(judged, by_uuid.get(judged.gpu.uuid), reservations=reservations, now=now)
+            recorded = by_uuid.get(judged.gpu.uuid)
+            if judged in gone and recorded is not None:
+                await self._forget(recorded, judged, now=now)
+                continue
+            await self._write_device(judged, recorded, reservations=reservations, now=now)
         self.presence = GpuPresence.of(statuses)
         self._export(statuses, reservations, now)
         return statuses
+
+    async def _forget(self, device: GpuDevice, judged: Judged, *, now: float) -> None:
+        """Delete the GpuDevice of a GPU gone for good (as it was read: a precondition), with an event."""
+        gpu = judged.gpu
+        try:
+            await self.kube.delete(
+                devices_path(device.meta.name), resource_version=device.meta.resource_version
+            )
+        except ApiError as exc:
+            if exc.not_found or exc.conflict:  # already gone, or changed: the next poll judges again
+                return
+            raise
+        self.state.devices.drop(f"/{device.meta.name}")
+        self._last_seen.pop(gpu.uuid, None)
+        after = self.settings.inventory.forget_missing_after_s
+        log.info(
+            "GPU forgotten", uuid=gpu.uuid, node=gpu.node, missing_for_s=round(now - judged.last_seen_at)
+        )
+        await post_event(
+            self.kube,
+            namespace="default",
+            involved=Involved(
+                api_version=API_VERSION, kind="GpuDevice", name=device.meta.name, uid=device.meta.uid
+            ),
+            event=Event(
+                type="Normal",
+                reason="GpuDeviceRemoved",
+                message=f"GPU {gpu.label} was not reported for {now - judged.last_seen_at:.0f} s (more than "
+                f"forget_missing_after_s, {after:g} s) and nothing is booked on it: its GpuDevice is "
+                "deleted. If the card comes back it is discovered again.",
+            ),
+            now=now,
+            reporter=self.settings.identity,
+        )
 
     async def _write_status(self, device: GpuDevice, desired: DeviceStatus) -> GpuDevice | None:
         """Write `desired` on the device as read, never over a newer sample: two controllers that both

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 from collections.abc import Mapping
@@ -10,6 +11,7 @@ from dataclasses import dataclass, field, replace
 from vramshare.controller.leader import LeaseTiming
 from vramshare.domain import Accounting, AllocationSettings, Policy, QueueSettings
 from vramshare.domain.inventory import InventorySettings
+from vramshare.prometheus import PrometheusAccess
 from vramshare.settings import check_accounting, from_env, invalid
 
 
@@ -20,10 +22,21 @@ class ControllerSettings:
     """The DCGM series label holding the Kubernetes node name (Hostname, hostname, node, instance, ...)."""
     metrics_selector: str = ""
     """Extra PromQL label matchers for the DCGM series, e.g. job="dcgm-exporter"."""
+    prometheus_ca_file: str = ""
+    """An https Prometheus is verified against this CA bundle (default: the system's CAs)."""
+    prometheus_insecure_skip_verify: bool = False
+    prometheus_bearer_token_file: str = ""
+    """Sent as a bearer token, read again for every reading (a rotated token is picked up)."""
+    prometheus_basic_auth_username: str = ""
+    prometheus_basic_auth_password_file: str = ""
+    prometheus_headers: str = ""
+    """Extra headers as a JSON object, e.g. {"X-Scope-OrgID": "ml"} for a Mimir or Cortex tenant."""
     poll_interval_s: float = 5.0
     accounting: Accounting = field(default_factory=Accounting)
     """Shared with the webhook: VRAMSHARE_SAFETY_MARGIN_MIB, _SETTLE_S, _MAX_SAMPLE_AGE_S, _STALE_MODE."""
     missing_grace_s: float = 60.0
+    forget_missing_after_s: float = 86_400.0
+    """A GPU Missing this long with nothing booked on it is deleted (GpuDevice), with an event. 0: never."""
     reservation_ttl_s: float = 20.0
     """A Reserved reservation whose pod has not appeared by then expires: the pod was rejected after
     vramshare admitted it. Keep it above the webhooks' timeouts; a pod that appears later still gets
@@ -65,6 +78,31 @@ class ControllerSettings:
         return QueueSettings(hold_limit_s=self.hold_limit_s)
 
     @property
+    def prometheus_access(self) -> PrometheusAccess:
+        headers: object = {}
+        if self.prometheus_headers.strip():
+            try:
+                headers = json.loads(self.prometheus_headers)
+            except ValueError:
+                headers = None
+        if not isinstance(headers, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in headers.items()
+        ):
+            raise invalid(
+                "prometheus_headers",
+                self.prometheus_headers,
+                'a JSON object of strings, e.g. {"X-Scope-OrgID": "ml"}',
+            )
+        return PrometheusAccess(
+            ca_file=self.prometheus_ca_file,
+            insecure_skip_verify=self.prometheus_insecure_skip_verify,
+            bearer_token_file=self.prometheus_bearer_token_file,
+            basic_auth_username=self.prometheus_basic_auth_username,
+            basic_auth_password_file=self.prometheus_basic_auth_password_file,
+            headers=headers,
+        )
+
+    @property
     def lease(self) -> LeaseTiming:
         return LeaseTiming(
             duration_s=self.lease_duration_s,
@@ -74,7 +112,11 @@ class ControllerSettings:
 
     @property
     def inventory(self) -> InventorySettings:
-        return InventorySettings(accounting=self.accounting, missing_grace_s=self.missing_grace_s)
+        return InventorySettings(
+            accounting=self.accounting,
+            missing_grace_s=self.missing_grace_s,
+            forget_missing_after_s=self.forget_missing_after_s,
+        )
 
     def validate(self) -> ControllerSettings:
         check_accounting(self.accounting)
@@ -91,6 +133,8 @@ class ControllerSettings:
         ):
             if getattr(self, name) <= 0:
                 raise invalid(name, getattr(self, name), "a positive number of seconds")
+        if self.forget_missing_after_s < 0:
+            raise invalid("forget_missing_after_s", self.forget_missing_after_s, "0 (never) or more seconds")
         if self.lease_renew_deadline_s >= self.lease_duration_s:
             raise invalid(
                 "lease_renew_deadline_s",
@@ -106,6 +150,13 @@ class ControllerSettings:
             )
         if not self.prometheus_url.startswith(("http://", "https://")):
             raise invalid("prometheus_url", self.prometheus_url, "an http:// or https:// URL")
+        self.prometheus_access  # noqa: B018 (validates prometheus_headers)
+        if self.prometheus_basic_auth_username and not self.prometheus_basic_auth_password_file:
+            raise invalid(
+                "prometheus_basic_auth_password_file",
+                self.prometheus_basic_auth_password_file,
+                "the file holding the password of prometheus_basic_auth_username",
+            )
         if not self.identity:
             return replace(self, identity=f"{socket.gethostname()}-{os.getpid()}")
         return self

@@ -64,6 +64,9 @@ class InventorySettings:
     accounting: Accounting = field(default_factory=Accounting)
     missing_grace_s: float = 60.0
     """A UUID unreported this long while its node reports other GPUs is Missing."""
+    forget_missing_after_s: float = 86_400.0
+    """A GPU Missing and unreported this long, with nothing booked on it, is forgotten (its GpuDevice
+    deleted): a card removed for good. 0: never."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -147,6 +150,27 @@ def observe(
             )
         )
     return out
+
+
+def to_forget(
+    statuses: Iterable[DeviceStatus],
+    *,
+    reservations: Iterable[Reservation],
+    now: float,
+    settings: InventorySettings,
+) -> list[DeviceStatus]:
+    """The Missing GPUs unreported for `forget_missing_after_s` that no active reservation books (a
+    Lost booking keeps its GPU known until its pod ends)."""
+    if settings.forget_missing_after_s <= 0:
+        return []
+    booked = {r.gpu_uuid for r in reservations if r.is_active}
+    return [
+        s
+        for s in statuses
+        if s.state is DeviceState.MISSING
+        and now - s.last_seen_at >= settings.forget_missing_after_s
+        and s.gpu.uuid not in booked
+    ]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -54,30 +54,33 @@ class Connection:
     token_file: Path | None = None
 
     @classmethod
-    def load(cls, *, kubeconfig: str | None = None) -> Self:
-        """From a kubeconfig file, else the in-cluster service account, else ~/.kube/config."""
+    def load(cls, *, kubeconfig: str | None = None, context: str | None = None) -> Self:
+        """From a kubeconfig file, else the in-cluster service account, else ~/.kube/config (or
+        $KUBECONFIG); `context` picks one of the kubeconfig's contexts."""
         configuration = Configuration()
         in_cluster = False
-        if kubeconfig:
-            kube_config.load_kube_config(config_file=kubeconfig, client_configuration=configuration)
+        if kubeconfig or context:
+            kube_config.load_kube_config(
+                config_file=kubeconfig or None, context=context, client_configuration=configuration
+            )
         else:
             try:
                 kube_config.load_incluster_config(client_configuration=configuration)
                 in_cluster = True
             except kube_config.ConfigException:
                 kube_config.load_kube_config(client_configuration=configuration)
-        context = ssl.create_default_context(cafile=configuration.ssl_ca_cert)
+        tls = ssl.create_default_context(cafile=configuration.ssl_ca_cert)
         if configuration.cert_file:
-            context.load_cert_chain(configuration.cert_file, configuration.key_file)
+            tls.load_cert_chain(configuration.cert_file, configuration.key_file)
         if not configuration.verify_ssl:
-            context.check_hostname = False
-            context.verify_mode = ssl.CERT_NONE
+            tls.check_hostname = False
+            tls.verify_mode = ssl.CERT_NONE
         # The key is "BearerToken" in current kubernetes clients and "authorization" in older ones.
         raw = configuration.api_key.get("BearerToken") or configuration.api_key.get("authorization") or ""
         token = raw.removeprefix("Bearer ") if raw.startswith("Bearer ") else None
         return cls(
             host=configuration.host.rstrip("/"),
-            ssl_context=context,
+            ssl_context=tls,
             token=token,
             token_file=Path("/var/run/secrets/kubernetes.io/serviceaccount/token") if in_cluster else None,
         )

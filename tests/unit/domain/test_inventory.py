@@ -6,8 +6,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tests.unit.domain.builders import NOW, gpu, reservation
-from vramshare.domain import Accounting
-from vramshare.domain.inventory import DeviceState, InventorySettings, Known, Sample, observe
+from vramshare.domain import Accounting, ReservationPhase
+from vramshare.domain.inventory import DeviceState, InventorySettings, Known, Sample, observe, to_forget
 
 SETTINGS = InventorySettings(
     accounting=Accounting(max_sample_age_s=30, safety_margin_mib=500), missing_grace_s=60
@@ -194,3 +194,28 @@ def test_a_hold_allows_no_usage_on_its_gpu() -> None:
         settings=SETTINGS,
     )
     assert status.overused_mib == 6_000 - 4_000 - 500
+
+
+def test_a_gpu_gone_for_good_with_nothing_booked_is_forgotten() -> None:
+    gone = Known(gpu=gpu("GPU-gone", index=1, sampled_at=NOW - 7200), last_seen_at=NOW - 7200)
+    lost = Known(gpu=gpu("GPU-lost", index=2, sampled_at=NOW - 7200), last_seen_at=NOW - 7200)
+    recent = Known(gpu=gpu("GPU-recent", index=3, sampled_at=NOW - 120), last_seen_at=NOW - 120)
+    settings = InventorySettings(missing_grace_s=60, forget_missing_after_s=3600)
+    statuses = observe(
+        known=[gone, lost, recent],
+        samples=[sample("GPU-alive")],
+        reservations=[],
+        nodes=None,
+        now=NOW,
+        settings=settings,
+    )
+    assert {s.gpu.uuid for s in statuses if s.state is DeviceState.MISSING} == {
+        "GPU-gone",
+        "GPU-lost",
+        "GPU-recent",
+    }
+    booked = [reservation(1000, gpu_uuid="GPU-lost", phase=ReservationPhase.LOST)]
+    forgotten = to_forget(statuses, reservations=booked, now=NOW, settings=settings)
+    assert [s.gpu.uuid for s in forgotten] == ["GPU-gone"]  # a Lost booking keeps its GPU; recent waits
+    never = InventorySettings(missing_grace_s=60, forget_missing_after_s=0)
+    assert to_forget(statuses, reservations=[], now=NOW, settings=never) == []
