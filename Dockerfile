@@ -22,10 +22,10 @@ LABEL org.opencontainers.image.title="vramshare" \
       org.opencontainers.image.source="https://vramshare.io"
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 \
     PATH=/opt/vramshare/bin:$PATH
-COPY --from=build /wheels /wheels
-RUN python -m venv /opt/vramshare \
-    && /opt/vramshare/bin/pip install --no-index --find-links=/wheels vramshare \
-    && rm -rf /wheels
+# The wheels are mounted from the build stage for this one step, so no layer keeps them.
+RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
+    python -m venv /opt/vramshare \
+    && /opt/vramshare/bin/pip install --no-index --find-links=/wheels vramshare
 USER 65532:65532
 EXPOSE 8443 8080
 CMD ["vramshare-webhook"]

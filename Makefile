@@ -56,6 +56,10 @@ demo: venv tools ## The whole system on a local control plane: pods admitted, pl
 bench-admission: venv tools ## Pod creation through vramshare vs a no-webhook baseline; decision cost curve
 	$(BIN)/python -m vramshare_e2e.bench_admission --out bench/results
 
+.PHONY: image
+image: ## Build the image with buildah on a Debian-package base, run each entry point in it, report its size
+	bash e2e/tools/build-image.sh
+
 .PHONY: chart-docs
 chart-docs: venv ## Regenerate charts/vramshare/README.md from the comments in values.yaml
 	$(BIN)/python -m vramshare_e2e.chart_docs

@@ -102,6 +102,11 @@ def test_devices_appear_and_follow_used_memory(stack: LocalCluster) -> None:
     )
     assert dev["status"]["totalMiB"] == gpu.total_mib
     assert dev["status"]["state"] == "Ready"
+    # API conventions: the status and each condition say which generation they describe.
+    generation = dev["metadata"]["generation"]
+    assert dev["status"]["observedGeneration"] == generation
+    assert {c["observedGeneration"] for c in dev["status"]["conditions"]} == {generation}
+    assert all(c["reason"] and c["lastTransitionTime"] for c in dev["status"]["conditions"])
     port = stack.components["controller-1"].env["VRAMSHARE_METRICS_PORT"]  # type: ignore[index]
     # The metrics are exported at the end of the poll that wrote the devices.
     eventually(
@@ -134,6 +139,7 @@ def test_reservation_goes_reserved_bound_released_with_events(
         lambda: (r := reservation(stack, name)).get("status", {}).get("phase") == "Bound" and r, what="Bound"
     )
     assert bound["status"]["podUID"] == pod.metadata.uid
+    assert bound["status"]["observedGeneration"] == bound["metadata"]["generation"]
     assert bound["metadata"]["ownerReferences"][0]["uid"] == pod.metadata.uid
     eventually(lambda: phase_of(stack, name) == "Released", what="Released")
     assert reservation(stack, name)["status"]["reason"] == "PodFinished"

@@ -25,7 +25,11 @@ MARGIN = 512
 
 @pytest.fixture(scope="module")
 def webhooks(cluster: LocalCluster) -> Iterator[dict[str, int]]:
-    env = {"VRAMSHARE_SAFETY_MARGIN_MIB": str(MARGIN), "VRAMSHARE_LOG_LEVEL": "warning"}
+    env = {
+        "VRAMSHARE_SAFETY_MARGIN_MIB": str(MARGIN),
+        "VRAMSHARE_LOG_LEVEL": "warning",
+        "VRAMSHARE_MAX_PENDING_PER_NAMESPACE": "100",
+    }
     ports = {shard: start_webhook(cluster, name=f"webhook-{shard}", env=env)[1] for shard in ("a", "b")}
     seed_inventory(cluster)
     cluster.apply_objects([webhook_configuration(cluster, ports=ports)])
@@ -310,7 +314,7 @@ def test_forged_reviews_book_at_most_the_pending_limit(
 ) -> None:
     """Whoever reaches the webhook port can send AdmissionReviews the API server never sent. Their
     bookings have no pod, so they expire with the TTL; meanwhile at most `max_pending_per_namespace`
-    (100) stand per namespace."""
+    (100 here; 1000 by default) stand per namespace."""
     ctx = ssl.create_default_context()
     ctx.check_hostname = False
     ctx.verify_mode = ssl.CERT_NONE

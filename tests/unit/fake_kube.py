@@ -157,6 +157,7 @@ class FakeKube:
         if at in self.objects:
             raise ApiError(status=409, reason="AlreadyExists", message=f"{meta['name']} already exists")
         meta.setdefault("uid", f"uid-{self.version + 1}")
+        meta["generation"] = 1
         stamp = NOW_STAMP
         if self.clock is not None:
             stamp = dt.datetime.fromtimestamp(self.clock(), dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
@@ -183,7 +184,10 @@ class FakeKube:
             patch = {"status": patch.get("status", {})}
         else:
             patch = {k: v for k, v in patch.items() if k != "status"}
-        self.objects[target] = self._bump(_merge(current, patch))
+        merged = _merge(current, patch)
+        if merged.get("spec") != current.get("spec"):  # as the API server does: spec changes only
+            merged["metadata"]["generation"] = int(current["metadata"].get("generation") or 1) + 1
+        self.objects[target] = self._bump(merged)
         self._record(target, "MODIFIED", self.objects[target])
         return copy.deepcopy(self.objects[target])
 

@@ -41,6 +41,9 @@ def test_base_image_is_pinned_by_version() -> None:
 
 def test_final_stage_is_non_root_without_compilers() -> None:
     final = stages()[-1]
+    # The wheels reach the final stage only through a bind mount: no layer keeps them.
+    assert "COPY --from=build" not in final
+    assert "--mount=type=bind,from=build,source=/wheels,target=/wheels" in final
     assert re.search(r"(?m)^USER 65532:65532$", final)
     assert not re.search(r"gcc|g\+\+|build-essential|apt-get install", final)
     assert "org.opencontainers.image.title" in final

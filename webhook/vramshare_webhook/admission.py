@@ -94,6 +94,8 @@ class Ledger(Protocol):
     ) -> GpuReservation: ...
     async def enqueue(self, reservation: GpuReservation) -> GpuReservation: ...
     async def withdraw(self, created: GpuReservation) -> None: ...
+    def decided(self, reservation: GpuReservation) -> None: ...
+    def undecided(self, reservation: GpuReservation) -> None: ...
     async def withdraw_hold(self, namespace: str, name: str) -> None: ...
     def release_rate(self, gpu_uuid: str | None = None) -> float: ...
 
@@ -646,13 +648,25 @@ class Admitter:
             except CommitConflictError:
                 return booking.spec.gpu_uuid
             return None
-        results = await asyncio.gather(
-            *(
-                self.ledger.commit(reservation=b, token=snapshot.tokens[b.spec.gpu_uuid], live=snapshot.live)
-                for b in bookings
-            ),
-            return_exceptions=True,
-        )
+        # Every booking joins this process's view before the first await, as a single commit's does:
+        # the commits below start only at the next turn of the loop, and a decision made meanwhile must
+        # count them, or it could take the same GPUs on the strength of a chain it never saw.
+        for b in bookings:
+            self.ledger.decided(b)
+        try:
+            results = await asyncio.gather(
+                *(
+                    self.ledger.commit(
+                        reservation=b, token=snapshot.tokens[b.spec.gpu_uuid], live=snapshot.live
+                    )
+                    for b in bookings
+                ),
+                return_exceptions=True,
+            )
+        except BaseException:  # cancelled (the deadline): commits that never started leave the view
+            for b in bookings:
+                self.ledger.undecided(b)
+            raise
         made = [r for r in results if isinstance(r, GpuReservation)]
         if len(made) == len(bookings):
             return None

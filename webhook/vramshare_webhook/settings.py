@@ -42,10 +42,10 @@ class WebhookSettings:
     annotation: str = DEFAULT_ANNOTATION
     """The pod annotation carrying the memory request in MiB."""
     max_request_mib: int = DEFAULT_MAX_MIB
-    max_pending_per_namespace: int = 100
-    """At most this many bookings per namespace whose pods have not appeared yet (0: no limit). A
-    real pod appears milliseconds after its admission; a flood of forged or failing admissions is
-    bounded by this, each such booking for the reservation TTL."""
+    max_pending_per_namespace: int = 1000
+    """At most this many bookings per namespace not yet bound to a pod (0: no limit). A real pod appears
+    milliseconds after its admission and is bound within a second or so, even in a burst; a flood of
+    forged or failing admissions is bounded by this, each such booking for the reservation TTL."""
     max_gpus_per_pod: int = DEFAULT_MAX_GPUS
     """The most GPUs one pod may ask for with the annotation gpu-count (all on one node)."""
     policy: Policy = Policy.SPREAD

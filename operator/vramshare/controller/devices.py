@@ -33,21 +33,33 @@ CONDITION_TYPES = ("Ready", "Stale", "Missing", "MemoryOverused")
 
 
 def conditions(
-    previous: Sequence[Condition], wanted: dict[str, tuple[bool, str, str]], now: float
+    previous: Sequence[Condition], wanted: dict[str, tuple[bool, str, str]], now: float, generation: int = 0
 ) -> tuple[Condition, ...]:
-    """Conditions with lastTransitionTime kept while a condition's status does not change."""
+    """Conditions with lastTransitionTime kept while a condition's status does not change, each with
+    the generation it was judged for."""
     before = {c.type: c for c in previous}
     out = []
     for kind in CONDITION_TYPES:
         ok, reason, message = wanted[kind]
         old = before.get(kind)
         since = old.last_transition if old is not None and old.status == ok else now
-        out.append(Condition(type=kind, status=ok, reason=reason, message=message, last_transition=since))
+        out.append(
+            Condition(
+                type=kind,
+                status=ok,
+                reason=reason,
+                message=message,
+                last_transition=since,
+                observed_generation=generation,
+            )
+        )
     return tuple(out)
 
 
-def device_status(judged: Judged, previous: DeviceStatus | None, *, now: float) -> DeviceStatus:
-    """What the GpuDevice's status should say about `judged`."""
+def device_status(
+    judged: Judged, previous: DeviceStatus | None, *, now: float, generation: int = 0
+) -> DeviceStatus:
+    """What the GpuDevice's status should say about `judged`, for the device's `generation`."""
     gpu, room, state = judged.gpu, judged.headroom, judged.state
     over = judged.overused_mib > 0
     wanted = {
@@ -78,7 +90,8 @@ def device_status(judged: Judged, previous: DeviceStatus | None, *, now: float) 
         sampled_at=gpu.sampled_at,
         last_seen_at=judged.last_seen_at,
         state=state.value,
-        conditions=conditions(previous.conditions if previous else (), wanted, now),
+        conditions=conditions(previous.conditions if previous else (), wanted, now, generation),
+        observed_generation=generation,
     )
 
 
@@ -259,9 +272,12 @@ class InventoryLoop:
         elif device.spec != spec and judged.state is not DeviceState.MISSING:
             # The same card moved to another index or node label; its UUID is what identifies it.
             changed = {k: v for k, v in spec.to_wire().items() if k != "uuid"}
-            await self.kube.merge_patch(devices_path(device.meta.name), {"spec": changed})
+            device = GpuDevice.from_wire(
+                await self.kube.merge_patch(devices_path(device.meta.name), {"spec": changed})
+            )
+            self.state.devices.put(f"/{device.meta.name}", device)  # its new generation
         previous = device.status
-        desired = device_status(judged, previous, now=now)
+        desired = device_status(judged, previous, now=now, generation=device.meta.generation)
         self._last_seen[gpu.uuid] = judged.last_seen_at
         if not _worth_writing(desired, previous, refresh_s=self.settings.accounting.max_sample_age_s / 4):
             return

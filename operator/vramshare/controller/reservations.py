@@ -453,7 +453,9 @@ class ReservationReconciler:
                 )
                 version = patched["metadata"]["resourceVersion"]
             if the_plan.status is not None:
-                before, after = res.status.to_wire(), the_plan.status.to_wire()
+                # observedGeneration: the spec this status was judged for (API conventions).
+                judged = replace(the_plan.status, observed_generation=res.meta.generation or None)
+                before, after = res.status.to_wire(), judged.to_wire()
                 cleared = {k: None for k in before if k not in after}  # a merge patch removes with null
                 patched = await self.kube.merge_patch(
                     f"{path}/status",

@@ -392,6 +392,18 @@ class KubeLedger:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
+    def decided(self, reservation: GpuReservation) -> None:
+        """Put a booking into this process's view now, before any await: `commit` does it for one
+        booking, but a pod with several GPUs commits them concurrently and every one must be in the
+        view before another decision can run (see `commit` on why the view must hold it)."""
+        self.reservations.put(
+            _reservation_key(reservation.namespace, reservation.name), reservation.to_domain()
+        )
+
+    def undecided(self, reservation: GpuReservation) -> None:
+        """Take a booking `decided` but never committed out of the view (its commit was cancelled)."""
+        self.reservations.drop(_reservation_key(reservation.namespace, reservation.name))
+
     async def withdraw(self, created: GpuReservation) -> None:
         """Take back a committed booking nobody will use (the rest of its pod's set lost its race)."""
         await self._abandon(created, _reservation_key(created.namespace, created.name))

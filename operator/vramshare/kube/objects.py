@@ -64,6 +64,8 @@ class Meta:
     namespace: str | None = None
     uid: str = ""
     resource_version: str = ""
+    generation: int = 0
+    """Bumped by the API server on every spec change; status reports the one it describes."""
     created_at: float | None = None
     labels: Mapping[str, str] = field(default_factory=dict)
     annotations: Mapping[str, str] = field(default_factory=dict)
@@ -76,6 +78,7 @@ class Meta:
             namespace=obj.get("namespace"),
             uid=obj.get("uid", ""),
             resource_version=obj.get("resourceVersion", ""),
+            generation=int(obj.get("generation") or 0),
             created_at=parse_time(obj.get("creationTimestamp")),
             labels=dict(obj.get("labels") or {}),
             annotations=dict(obj.get("annotations") or {}),
@@ -154,6 +157,7 @@ class ReservationStatus:
     finished_at: float | None = None
     queue_position: int | None = None
     """While Queued: 1 for the head of the queue."""
+    observed_generation: int | None = None
 
     @classmethod
     def from_wire(cls, obj: Obj) -> Self:
@@ -166,6 +170,7 @@ class ReservationStatus:
             pod_running_since=parse_time(obj.get("podRunningSince")),
             finished_at=parse_time(obj.get("finishedAt")),
             queue_position=obj.get("queuePosition"),
+            observed_generation=obj.get("observedGeneration"),
         )
 
     def to_wire(self) -> Obj:
@@ -179,6 +184,7 @@ class ReservationStatus:
         if self.finished_at is not None:
             out["finishedAt"] = format_time(self.finished_at)
         _put(out, "queuePosition", self.queue_position)
+        _put(out, "observedGeneration", self.observed_generation)
         return out
 
 
@@ -364,6 +370,8 @@ class Condition:
     reason: str
     message: str
     last_transition: float
+    observed_generation: int = 0
+    """The object's generation this condition was judged for (Kubernetes API conventions)."""
 
     @classmethod
     def from_wire(cls, obj: Obj) -> Self:
@@ -373,16 +381,20 @@ class Condition:
             reason=str(obj.get("reason", "")),
             message=str(obj.get("message", "")),
             last_transition=parse_time(obj.get("lastTransitionTime")) or 0.0,
+            observed_generation=int(obj.get("observedGeneration") or 0),
         )
 
     def to_wire(self) -> Obj:
-        return {
+        out: Obj = {
             "type": self.type,
             "status": "True" if self.status else "False",
             "reason": self.reason,
             "message": self.message,
             "lastTransitionTime": format_time(self.last_transition),
         }
+        if self.observed_generation:
+            out["observedGeneration"] = self.observed_generation
+        return out
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -400,6 +412,7 @@ class DeviceStatus:
     state: str
     """Ready, Stale, Missing or Unhealthy: a summary of the conditions for `kubectl get`."""
     conditions: tuple[Condition, ...] = ()
+    observed_generation: int = 0
 
     @classmethod
     def from_wire(cls, obj: Obj) -> Self | None:
@@ -418,6 +431,7 @@ class DeviceStatus:
             last_seen_at=parse_time(obj.get("lastSeenAt")),
             state=str(obj.get("state", "")),
             conditions=tuple(Condition.from_wire(c) for c in obj.get("conditions") or []),
+            observed_generation=int(obj.get("observedGeneration") or 0),
         )
 
     def to_wire(self) -> Obj:
@@ -434,6 +448,8 @@ class DeviceStatus:
         }
         if self.last_seen_at is not None:
             out["lastSeenAt"] = format_time_precise(self.last_seen_at)
+        if self.observed_generation:
+            out["observedGeneration"] = self.observed_generation
         return out
 
     def condition(self, kind: str) -> Condition | None:

@@ -152,3 +152,23 @@ async def test_a_new_sample_with_the_same_figures_is_written_only_every_refresh_
         now[0] = NOW + 36
         await inventory.poll()  # new figures: written at once
         assert status_writes(kube) == writes + 2
+
+
+async def test_status_and_conditions_say_which_generation_they_describe() -> None:
+    now = [NOW + 1]
+    async with loop(Source(SAMPLE), now) as (kube, inventory):
+        await inventory.poll()
+        device = GpuDevice.from_wire(kube.objects[devices_path("gpu-a")])
+        assert device.meta.generation == 1
+        assert device.status is not None
+        assert device.status.observed_generation == 1
+        assert {c.observed_generation for c in device.status.conditions} == {1}
+        # The card moves to another index: a spec change, a new generation, a status that says so.
+        inventory.source.samples = [replace(SAMPLE, index=1, sampled_at=NOW + 2)]  # type: ignore[attr-defined]
+        now[0] = NOW + 3
+        await inventory.poll()
+        await inventory.poll()
+        device = GpuDevice.from_wire(kube.objects[devices_path("gpu-a")])
+        assert device.meta.generation == 2
+        assert device.status is not None
+        assert device.status.observed_generation == 2

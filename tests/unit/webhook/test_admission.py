@@ -37,6 +37,8 @@ class MemoryLedger:
         self.conflict_on: set[str] = set()
         """GPUs whose next commit loses its race (once each)."""
         self.withdrawn: list[str] = []
+        self.in_view: set[str] = set()
+        """Bookings put into the view ahead of their commits (a set's)."""
 
     async def snapshot(self, *, fresh: bool = False) -> Snapshot:
         self.fresh_reads += fresh
@@ -80,6 +82,12 @@ class MemoryLedger:
 
     async def enqueue(self, reservation: GpuReservation) -> GpuReservation:
         return await self.commit(reservation=reservation, token="")
+
+    def decided(self, reservation: GpuReservation) -> None:
+        self.in_view.add(reservation.name)
+
+    def undecided(self, reservation: GpuReservation) -> None:
+        self.in_view.discard(reservation.name)
 
     async def withdraw(self, created: GpuReservation) -> None:
         self.withdrawn.append(created.name)
