@@ -8,6 +8,7 @@ import json
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -484,13 +485,16 @@ def test_the_kubectl_plugin_takes_kubectls_flags(stack: LocalCluster) -> None:
         stdout=subprocess.PIPE,
         text=True,
     )
+    assert watching.stdout is not None
+    printed: list[str] = []
+    reader = threading.Thread(target=lambda: printed.extend(iter(watching.stdout.readline, "")), daemon=True)  # type: ignore[union-attr]
+    reader.start()
     try:
-        time.sleep(2)
-        stack.exporter.set_used(stack.settings.fleet.all_gpus()[0][1].uuid, 1_234)
-        time.sleep(4)
+        # Started (imports take a while on a busy machine) and printed twice: the sample ages move.
+        eventually(
+            lambda: sum(line.startswith("GPUs") for line in printed) >= 2, what="two prints", timeout_s=60
+        )
     finally:
         watching.send_signal(signal.SIGINT)
-        out, _ = watching.communicate(timeout=10)
-        stack.exporter.set_used(stack.settings.fleet.all_gpus()[0][1].uuid, 0)
+        watching.wait(timeout=20)
     assert watching.returncode == 0
-    assert out.count("GPUs\nNODE") >= 2, out
