@@ -15,7 +15,10 @@ import datetime as dt
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from vramshare.domain import Gpu
 from vramshare.kube.client import ApiError
+from vramshare.kube.objects import DeviceSpec, DeviceStatus, GpuDevice
+from vramshare.kube.resources import devices_path
 
 Obj = dict[str, Any]
 
@@ -223,3 +226,20 @@ async def fed_state(kube: FakeKube) -> AsyncIterator[Any]:
         feeding.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await feeding
+
+
+async def add_idle_gpu(kube: FakeKube, gpu: Gpu) -> None:
+    """A GpuDevice for `gpu`, Ready, nothing used or booked, sampled at the GPU's own sample time."""
+    device = GpuDevice.new(DeviceSpec(uuid=gpu.uuid, node_name=gpu.node, index=gpu.index, model=gpu.model))
+    status = DeviceStatus(
+        total_mib=gpu.total_mib,
+        used_mib=0,
+        free_mib=gpu.total_mib,
+        driver_reserved_mib=0,
+        reserved_mib=0,
+        headroom_mib=gpu.total_mib,
+        sampled_at=gpu.sampled_at,
+        last_seen_at=gpu.sampled_at,
+        state="Ready",
+    )
+    await kube.create(devices_path(), {**device.to_wire(), "status": status.to_wire()})

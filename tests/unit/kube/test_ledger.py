@@ -10,11 +10,11 @@ from collections.abc import AsyncIterator
 import pytest
 import pytest_asyncio
 
-from tests.unit.domain.builders import NOW, gpu
-from tests.unit.fake_kube import FakeKube
+from tests.unit.domain.builders import gpu
+from tests.unit.fake_kube import FakeKube, add_idle_gpu
 from vramshare.kube.client import ApiError
 from vramshare.kube.ledger import CommitConflictError, KubeLedger, Snapshot
-from vramshare.kube.objects import DeviceSpec, DeviceStatus, GpuDevice, GpuReservation
+from vramshare.kube.objects import GpuReservation
 from vramshare.kube.resources import ANNOTATION_LEDGER, LABEL_COMMITTED, devices_path, reservations_path
 
 GPU = gpu("GPU-a", total=16_384)
@@ -23,19 +23,7 @@ DEVICE = devices_path("gpu-a")
 
 async def cluster() -> FakeKube:
     kube = FakeKube()
-    device = GpuDevice.new(DeviceSpec(uuid=GPU.uuid, node_name=GPU.node, index=0, model=GPU.model))
-    status = DeviceStatus(
-        total_mib=GPU.total_mib,
-        used_mib=0,
-        free_mib=GPU.total_mib,
-        driver_reserved_mib=0,
-        reserved_mib=0,
-        headroom_mib=GPU.total_mib,
-        sampled_at=NOW,
-        last_seen_at=NOW,
-        state="Ready",
-    )
-    await kube.create(devices_path(), {**device.to_wire(), "status": status.to_wire()})
+    await add_idle_gpu(kube, GPU)
     return kube
 
 

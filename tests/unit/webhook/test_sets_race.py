@@ -11,12 +11,11 @@ from collections.abc import AsyncIterator
 import pytest_asyncio
 
 from tests.unit.domain.builders import NOW, gpu
-from tests.unit.fake_kube import FakeKube
+from tests.unit.fake_kube import FakeKube, add_idle_gpu
 from tests.unit.webhook.test_admission import request
 from vramshare.domain import Accounting
 from vramshare.kube.ledger import KubeLedger
-from vramshare.kube.objects import DeviceSpec, DeviceStatus, GpuDevice
-from vramshare.kube.resources import devices_path, reservations_path
+from vramshare.kube.resources import reservations_path
 from vramshare_webhook.admission import Admitter
 from vramshare_webhook.metrics import WebhookMetrics
 from vramshare_webhook.settings import WebhookSettings
@@ -28,19 +27,7 @@ GPUS = [gpu("GPU-a", index=0, total=16_384), gpu("GPU-b", index=1, total=16_384)
 async def ledger() -> AsyncIterator[tuple[FakeKube, KubeLedger]]:
     kube = FakeKube()
     for g in GPUS:
-        device = GpuDevice.new(DeviceSpec(uuid=g.uuid, node_name=g.node, index=g.index, model=g.model))
-        status = DeviceStatus(
-            total_mib=g.total_mib,
-            used_mib=0,
-            free_mib=g.total_mib,
-            driver_reserved_mib=0,
-            reserved_mib=0,
-            headroom_mib=g.total_mib,
-            sampled_at=NOW,
-            last_seen_at=NOW,
-            state="Ready",
-        )
-        await kube.create(devices_path(), {**device.to_wire(), "status": status.to_wire()})
+        await add_idle_gpu(kube, g)
     await kube.create("/api/v1/namespaces", {"metadata": {"name": "airflow"}})
     running = KubeLedger(kube)  # type: ignore[arg-type]
     task = asyncio.create_task(running.run())
