@@ -398,7 +398,8 @@ def summary(report: dict[str, Any]) -> str:
             f"with {scale['active_reservations']} active reservations: create p50 "
             f"{scale['vramshare']['p50_ms']:.1f} ms ({scale['create_ratio_p50']:.2f}x plain), answer p50 "
             f"<= {d['p50_ms_at_most']:.1f} ms, of which choosing p50 <= {c['p50_ms_at_most']:.2f} ms "
-            f"(mean {c['mean_ms']:.2f} ms); webhook RSS {scale['webhook_rss_mib']} MiB"
+            f"(mean {c['mean_ms']:.2f} ms); webhook RSS {scale['webhook_rss_mib']} MiB, "
+            f"controller RSS {scale['controller_rss_mib']} MiB"
         )
     lines.append(f"peak RSS MiB: {report['peak_rss_mib']}")
     lines.append(
