@@ -74,12 +74,13 @@ from vramshare_webhook.pod import (
     hide_gpus_patch,
     literal_env,
     placement_patch,
+    pod_annotations,
     queue_patch,
     read_pod,
     shape_problem,
     strip_patch,
 )
-from vramshare_webhook.settings import WebhookSettings
+from vramshare_webhook.settings import EXECUTOR_LABEL, RefusalStyle, WebhookSettings
 
 log = structlog.get_logger("vramshare.webhook")
 
@@ -228,13 +229,19 @@ class Admitter:
             decision = Late(
                 message=(
                     f"vramshare could not decide within {deadline:g} s (the API server is slow or the GPUs "
-                    f"are contended); nothing was reserved. {self.settings.retry_hint}"
+                    f"are contended); nothing was reserved. {self._hint(request)}"
                 )
             )
         except Exception as exc:  # an answer, never a crash: the failurePolicy decides what follows
             log.exception("admission failed", uid=request.uid, namespace=request.namespace)
             decision = Errored(message=f"vramshare could not decide: {exc}", error_type=type(exc).__name__)
-        result = answer(decision, uid=request.uid, settings=self.settings)
+        style = self._refusal(request)
+        result = answer(
+            decision,
+            uid=request.uid,
+            settings=self.settings,
+            style=style if isinstance(style, RefusalStyle) else self.settings.default_refusal,
+        )
         elapsed = time.perf_counter() - started
         self.metrics.decisions.labels(result.outcome.value, result.reason).inc()
         self.metrics.decision_seconds.observe(elapsed)
@@ -320,6 +327,9 @@ class Admitter:
         guard = self._guardrails(request.namespace, facts)
         if isinstance(guard, Invalid):
             return guard
+        refusal = self._refusal(request)
+        if isinstance(refusal, Invalid):
+            return refusal
         details: dict[str, Any] = {"mib": mib}
         if count > 1:
             details["gpus"] = count
@@ -382,6 +392,37 @@ class Admitter:
             default=self.settings.guardrails_by_default,
             reason=Reason.INVALID_GUARDRAILS_ANNOTATION,
             meaning=('"true" (set the budget variables)', '"false" (leave them to the pod)'),
+        )
+
+    def _refusal(self, request: rv.Request) -> RefusalStyle | Invalid:
+        """How the pod is refused if it does not fit: its annotation, else its namespace's label, else
+        the default for the Airflow component that made it (the KubernetesExecutor's pods: requeue)."""
+        pod = request.object
+        accepted = ", ".join(s.value for s in RefusalStyle)
+        value = pod_annotations(pod).get(self.settings.refusal_annotation)
+        if value is not None:
+            try:
+                return RefusalStyle(str(value).strip().lower())
+            except ValueError:
+                return Invalid(
+                    reason=Reason.INVALID_REFUSAL_ANNOTATION,
+                    message=f'annotation "{self.settings.refusal_annotation}" is "{value}": accepted '
+                    f"values are {accepted}",
+                )
+        labelled = self.namespace_labels(request.namespace).get(self.settings.refusal_namespace_label)
+        if labelled is not None and labelled.strip().lower() in {s.value for s in RefusalStyle}:
+            return RefusalStyle(labelled.strip().lower())
+        labels = pod.get("metadata", {}).get("labels")
+        if isinstance(labels, dict) and str(labels.get(EXECUTOR_LABEL, "")).lower() == "true":
+            return self.settings.executor_refusal
+        return self.settings.default_refusal
+
+    def _hint(self, request: rv.Request, retry_after_s: int | None = None) -> str:
+        """The refusal's last sentence for this pod: how its task will be retried."""
+        style = self._refusal(request)
+        return self.settings.retry_hint_after(
+            self.settings.retry_after_s if retry_after_s is None else retry_after_s,
+            style if isinstance(style, RefusalStyle) else None,
         )
 
     def _opted(
@@ -549,7 +590,7 @@ class Admitter:
                 reason=Reason.PENDING_LIMIT,
                 message=f"namespace {request.namespace} already has {limit} GPU bookings whose pods have not "
                 "appeared yet (webhook.settings.max_pending_per_namespace); each ends when its pod "
-                f"appears or expires. {self.settings.retry_hint}",
+                f"appears or expires. {self._hint(request)}",
                 details=details,
             )
         if request.name and _holds_booking(snapshot, request.namespace, request.name):
@@ -723,7 +764,7 @@ class Admitter:
         message = refusal_message(
             refusal,
             max_sample_age_s=self.settings.accounting.max_sample_age_s,
-            retry_hint=self.settings.retry_hint_after(retry_after),
+            retry_hint=self._hint(request, retry_after),
         )
         return Refuse(
             message=message + note,
@@ -789,7 +830,7 @@ class Admitter:
             message=(
                 f"could not reserve {mib} MiB for pod {request.namespace}/{facts.display_name} "
                 f"within {self.settings.decision_deadline_s:g} s: too many concurrent admissions "
-                f"on the same GPUs. {self.settings.retry_hint}"
+                f"on the same GPUs. {self._hint(request)}"
             ),
             details=details,
         )

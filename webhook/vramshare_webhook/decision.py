@@ -14,7 +14,7 @@ from typing import Any
 
 from vramshare_webhook import review as rv
 from vramshare_webhook.pod import Operation, Placement
-from vramshare_webhook.settings import WebhookSettings
+from vramshare_webhook.settings import RefusalStyle, WebhookSettings
 
 
 class Outcome(StrEnum):
@@ -43,6 +43,7 @@ class Reason(StrEnum):
     NO_GPU_FITS = "no-gpu-fits"
     NO_GPU_FITS_NOW = "no-gpu-fits-now"
     INVALID_QUEUE_ANNOTATION = "invalid-queue-annotation"
+    INVALID_REFUSAL_ANNOTATION = "invalid-refusal-annotation"
     INVALID_MODEL = "invalid-model"
     INVALID_GPU_COUNT = "invalid-gpu-count"
     INVALID_GUARDRAILS_ANNOTATION = "invalid-guardrails-annotation"
@@ -154,8 +155,11 @@ class Answer:
     log_fields: Mapping[str, Any]
 
 
-def answer(decision: Decision, *, uid: str, settings: WebhookSettings) -> Answer:
-    """The AdmissionReview response and the metric labels for `decision`."""
+def answer(
+    decision: Decision, *, uid: str, settings: WebhookSettings, style: RefusalStyle | None = None
+) -> Answer:
+    """The AdmissionReview response and the metric labels for `decision`; a refusal is answered in
+    `style` (default: the settings' denial code)."""
     match decision:
         case Skip(reason=reason):
             return Answer(review=rv.allowed(uid), outcome=Outcome.SKIPPED, reason=reason, log_fields={})
@@ -193,7 +197,7 @@ def answer(decision: Decision, *, uid: str, settings: WebhookSettings) -> Answer
             why = {Contention: Reason.CONTENTION, Late: Reason.DEADLINE}
             after = decision.retry_after_s if isinstance(decision, Refuse) else None
             return Answer(
-                review=_deny(uid, message, settings, retry_after_s=after),
+                review=_deny(uid, message, settings, style=style, retry_after_s=after),
                 outcome=Outcome.REFUSED,
                 reason=decision.reason if isinstance(decision, Refuse) else why[type(decision)],
                 log_fields=details,
@@ -212,13 +216,20 @@ def answer(decision: Decision, *, uid: str, settings: WebhookSettings) -> Answer
 
 
 def _deny(
-    uid: str, message: str, settings: WebhookSettings, *, retry_after_s: int | None = None
+    uid: str,
+    message: str,
+    settings: WebhookSettings,
+    *,
+    style: RefusalStyle | None,
+    retry_after_s: int | None = None,
 ) -> rv.Review:
-    code = settings.denial_code
-    return rv.denied(
-        uid,
-        message,
-        code=code,
-        reason="TooManyRequests" if code == 429 else "Forbidden",
-        retry_after_s=(retry_after_s or settings.retry_after_s) if code == 429 else None,
-    )
+    if (style or settings.default_refusal) is RefusalStyle.RETRY_AFTER:
+        return rv.denied(
+            uid,
+            message,
+            code=429,
+            reason="TooManyRequests",
+            retry_after_s=retry_after_s or settings.retry_after_s,
+        )
+    # forbidden and requeue: a plain 403 with no Retry-After (the executor pauses all creation on one).
+    return rv.denied(uid, message, code=403, reason="Forbidden")

@@ -37,6 +37,24 @@ class TlsMode(StrEnum):
     configuration's caBundle, renew before expiry."""
 
 
+class RefusalStyle(StrEnum):
+    """How a pod that does not fit is refused, chosen for the Airflow component that created it."""
+
+    FORBIDDEN = "forbidden"
+    """403: the create fails; the task's own retries (retries, retry_delay) apply."""
+    RETRY_AFTER = "retry-after"
+    """429 with Retry-After: the KubernetesPodOperator retries the create inside the same try. The
+    KubernetesExecutor would pause the creation of every pod until then, GPU or not."""
+    REQUEUE = "requeue"
+    """403 whose message says "exceeded quota", as a ResourceQuota refusal does: the KubernetesExecutor
+    puts the task back in its queue without spending a try (up to [kubernetes_executor]
+    task_publish_max_retries; -1 is unlimited) and pauses nothing else."""
+
+
+EXECUTOR_LABEL = "kubernetes_executor"
+"""Airflow's KubernetesExecutor labels its worker pods kubernetes_executor=True."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class WebhookSettings:
     annotation: str = DEFAULT_ANNOTATION
@@ -57,7 +75,15 @@ class WebhookSettings:
     accounting: Accounting = field(default_factory=Accounting)
     """Shared with the controller: VRAMSHARE_SAFETY_MARGIN_MIB, _SETTLE_S, _MAX_SAMPLE_AGE_S, _STALE_MODE."""
     denial_code: int = 403
-    """403 (default: the task's own retries apply) or 429 (retryAfterSeconds; KPO retries in the try)."""
+    """How pods other than the KubernetesExecutor's are refused by default: 403 (the task's own retries
+    apply) or 429 (retryAfterSeconds; the KubernetesPodOperator retries the create in the try)."""
+    executor_refusal: RefusalStyle = RefusalStyle.REQUEUE
+    """How the KubernetesExecutor's worker pods (label kubernetes_executor=True) are refused by
+    default: requeue, forbidden or retry-after (see RefusalStyle)."""
+    refusal_annotation: str = "gpu-refusal"
+    """The pod annotation that chooses the refusal for one pod: forbidden, retry-after or requeue."""
+    refusal_namespace_label: str = "vramshare.io/refusal"
+    """The namespace label that chooses it for a namespace's pods (the pod's annotation comes first)."""
     retry_after_s: int = 60
     """With 429: the longest Retry-After; the one sent is estimated from how fast memory frees lately."""
     retry_after_min_s: int = 5
@@ -126,13 +152,26 @@ class WebhookSettings:
         return FairnessSettings(hold_min_mib=self.hold_min_mib, hold_limit_s=self.hold_limit_s)
 
     @property
+    def default_refusal(self) -> RefusalStyle:
+        return RefusalStyle.RETRY_AFTER if self.denial_code == 429 else RefusalStyle.FORBIDDEN
+
+    @property
     def retry_hint(self) -> str:
         return self.retry_hint_after(self.retry_after_s)
 
-    def retry_hint_after(self, retry_after_s: int) -> str:
-        if self.denial_code == 429:
-            return f"The pod was not created; retry after {retry_after_s} s (Airflow retries the task)."
-        return "The pod was not created; Airflow retries the task after its retry_delay."
+    def retry_hint_after(self, retry_after_s: int, style: RefusalStyle | None = None) -> str:
+        """The refusal's last sentence: how the task will be retried."""
+        match style or self.default_refusal:
+            case RefusalStyle.RETRY_AFTER:
+                return f"The pod was not created; retry after {retry_after_s} s (Airflow retries the task)."
+            case RefusalStyle.REQUEUE:
+                # "exceeded quota" is what the KubernetesExecutor looks for to re-queue the task.
+                return (
+                    "The pod was not created: GPU memory exceeded quota for now; the KubernetesExecutor "
+                    "re-queues the task without spending a try."
+                )
+            case _:
+                return "The pod was not created; Airflow retries the task after its retry_delay."
 
     def validate(self) -> WebhookSettings:
         if self.denial_code not in (403, 429):

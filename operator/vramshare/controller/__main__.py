@@ -17,9 +17,11 @@ import structlog
 from prometheus_client import start_http_server
 
 from vramshare import logs
+from vramshare.airflow_pools import AirflowPools
 from vramshare.controller.devices import InventoryLoop
 from vramshare.controller.leader import LeadershipLostError, LeaseElector
 from vramshare.controller.metrics import ControllerMetrics
+from vramshare.controller.pools import PoolSync
 from vramshare.controller.queue import QueueLoop
 from vramshare.controller.reservations import ReservationReconciler
 from vramshare.controller.settings import ControllerSettings
@@ -95,14 +97,26 @@ async def run(settings: ControllerSettings) -> None:
                 try:
                     state = ClusterState(kube)
                     ledger = KubeLedger(kube)
+                    inventory = InventoryLoop(
+                        kube=kube, source=source, settings=settings, metrics=metrics, state=state
+                    )
+                    pools = (
+                        PoolSync(
+                            settings=settings,
+                            inventory=inventory,
+                            pools=AirflowPools(settings.airflow_access),
+                            metrics=metrics,
+                        )
+                        if settings.airflow_url
+                        else None
+                    )
                     await lead(
                         state,
-                        InventoryLoop(
-                            kube=kube, source=source, settings=settings, metrics=metrics, state=state
-                        ),
+                        inventory,
                         ReservationReconciler(kube=kube, settings=settings, metrics=metrics, state=state),
                         QueueLoop(kube=kube, ledger=ledger, state=state, settings=settings, metrics=metrics),
                         elector,
+                        pools=pools,
                     )
                 except LeadershipLostError as exc:
                     log.warning("stepped down: leadership lost", error=str(exc))
@@ -125,9 +139,11 @@ async def lead(
     reconciler: ReservationReconciler,
     queue: QueueLoop,
     elector: LeaseElector,
+    *,
+    pools: PoolSync | None = None,
 ) -> None:
-    """Run the leader's three loops over the watch-fed state (and kopf's event handlers) until one
-    ends; re-raise why (LeadershipLostError above all)."""
+    """Run the leader's loops over the watch-fed state (and kopf's event handlers) until one ends;
+    re-raise why (LeadershipLostError above all). `pools`: the optional Airflow pool sync."""
     stop = asyncio.Event()
 
     async def loops() -> None:
@@ -141,7 +157,10 @@ async def lead(
         await queue.ledger.devices.synced.wait()
         await queue.ledger.reservations.synced.wait()
         await asyncio.gather(
-            inventory.run(), reconciler.run(presence=lambda: inventory.presence), queue.run()
+            inventory.run(),
+            reconciler.run(presence=lambda: inventory.presence),
+            queue.run(),
+            *([pools.run()] if pools is not None else []),
         )
 
     tasks = [

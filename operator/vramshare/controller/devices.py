@@ -137,8 +137,12 @@ class InventoryLoop:
         self.metrics = metrics
         self.clock = clock
         self.presence = GpuPresence()
-        self._last_seen: dict[str, float] = {}
         """Which GPUs the last poll found gone; read by the reservation reconciler."""
+        self.statuses: list[Judged] = []
+        """Every GPU as the last poll judged it; read by the Airflow pool sync."""
+        self.polled = asyncio.Event()
+        """Set after each poll (the pool sync clears it)."""
+        self._last_seen: dict[str, float] = {}
         self.outage: str | None = None
 
     async def _reading(self) -> DcgmReading | None:
@@ -193,6 +197,8 @@ class InventoryLoop:
                 continue
             await self._write_device(judged, recorded, reservations=reservations, now=now)
         self.presence = GpuPresence.of(statuses)
+        self.statuses = statuses
+        self.polled.set()
         self._export(statuses, reservations, now)
         return statuses
 

@@ -53,6 +53,17 @@ class ControllerMetrics:
             "Failed readings of DCGM metrics from Prometheus.",
             registry=self.registry,
         )
+        self.pool_slots = Gauge(
+            "vramshare_airflow_pool_slots",
+            "The slots vramshare last set on the Airflow pool (the pool sync).",
+            ["pool"],
+            registry=self.registry,
+        )
+        self.pool_sync_failures = Counter(
+            "vramshare_airflow_pool_sync_failures",
+            "Failed attempts to set the Airflow pool's slots (Airflow away or refusing).",
+            registry=self.registry,
+        )
         self.impostor_pods = Counter(
             "vramshare_impostor_pods",
             "Pods seen carrying a reservation's label without being its pod (ignored, with an event).",
@@ -94,5 +105,6 @@ class ControllerMetrics:
             gauge.clear()
         self.state.clear()
         self.reservations.clear()
+        self.pool_slots.clear()
         self.unschedulable_pods.set(0)
         self.queued.set(0)

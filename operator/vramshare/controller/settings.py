@@ -8,9 +8,11 @@ import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
+from vramshare.airflow_pools import AirflowAccess
 from vramshare.controller.leader import LeaseTiming
 from vramshare.domain import Accounting, AllocationSettings, Policy, QueueSettings
 from vramshare.domain.inventory import InventorySettings
+from vramshare.domain.pools import PoolBasis, PoolRule
 from vramshare.prometheus import PrometheusAccess
 from vramshare.settings import check_accounting, from_env, invalid
 
@@ -55,6 +57,24 @@ class ControllerSettings:
     hold_limit_s: float = 900.0
     """How long a hold lasts: queue mode's on one GPU for the head of the queue, refuse mode's for a
     refused large request's next try (ended here, as Expired/HoldLapsed)."""
+    airflow_url: str = ""
+    """Airflow's API server (Airflow 3, e.g. http://airflow-api-server.airflow.svc:8080): the leader
+    keeps the pool airflow_pool's slots in step with the fleet. Empty: no pool sync."""
+    airflow_pool: str = "NODE_GPU_COUNT"
+    """The pool GPU tasks use (Kaapana's name); created when missing."""
+    airflow_pool_basis: PoolBasis = PoolBasis.READY_GPUS
+    """ready-gpus: one slot per Ready GPU; memory: per Ready GPU, how many tasks of
+    airflow_pool_task_mib fit in its memory less the safety margin."""
+    airflow_pool_task_mib: int = 8192
+    airflow_pool_min_slots: int = 0
+    """Never fewer slots than this."""
+    airflow_pool_resync_s: float = 60.0
+    """The slots are set again this often even when unchanged (a hand edit is undone)."""
+    airflow_username: str = ""
+    airflow_password_file: str = ""
+    """A file with the user's password (the chart mounts controller.airflowPool.credentialsSecret)."""
+    airflow_ca_file: str = ""
+    """An https API server is verified against this CA bundle (default: the system's CAs)."""
     namespace: str = "vramshare"
     lease_name: str = "vramshare-controller"
     lease_duration_s: float = 15.0
@@ -103,6 +123,24 @@ class ControllerSettings:
         )
 
     @property
+    def airflow_pool_rule(self) -> PoolRule:
+        return PoolRule(
+            basis=self.airflow_pool_basis,
+            task_mib=self.airflow_pool_task_mib,
+            safety_margin_mib=self.accounting.safety_margin_mib,
+            minimum=self.airflow_pool_min_slots,
+        )
+
+    @property
+    def airflow_access(self) -> AirflowAccess:
+        return AirflowAccess(
+            url=self.airflow_url,
+            username=self.airflow_username,
+            password_file=self.airflow_password_file,
+            ca_file=self.airflow_ca_file,
+        )
+
+    @property
     def lease(self) -> LeaseTiming:
         return LeaseTiming(
             duration_s=self.lease_duration_s,
@@ -133,6 +171,18 @@ class ControllerSettings:
         ):
             if getattr(self, name) <= 0:
                 raise invalid(name, getattr(self, name), "a positive number of seconds")
+        if self.airflow_url and not self.airflow_url.startswith(("http://", "https://")):
+            raise invalid(
+                "airflow_url", self.airflow_url, "an http:// or https:// URL of Airflow's API server"
+            )
+        if self.airflow_url and not self.airflow_pool.strip():
+            raise invalid("airflow_pool", self.airflow_pool, "the name of an Airflow pool")
+        if self.airflow_pool_task_mib <= 0:
+            raise invalid("airflow_pool_task_mib", self.airflow_pool_task_mib, "a positive number of MiB")
+        if self.airflow_pool_min_slots < 0:
+            raise invalid("airflow_pool_min_slots", self.airflow_pool_min_slots, "0 or more")
+        if self.airflow_pool_resync_s <= 0:
+            raise invalid("airflow_pool_resync_s", self.airflow_pool_resync_s, "a positive number of seconds")
         if self.forget_missing_after_s < 0:
             raise invalid("forget_missing_after_s", self.forget_missing_after_s, "0 (never) or more seconds")
         if self.lease_renew_deadline_s >= self.lease_duration_s:

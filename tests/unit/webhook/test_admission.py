@@ -746,3 +746,71 @@ async def test_bookings_whose_pods_never_appear_are_bounded_per_namespace() -> N
     assert (await admitter(ledger, max_pending_per_namespace=1).review(request("100", dry_run=True)))[
         "response"
     ]["allowed"]
+
+
+EXECUTOR_POD = {"labels": {"kubernetes_executor": "True", "dag_id": "d", "task_id": "t"}}
+
+
+def refusal_of(review: rv.Review) -> tuple[int, str, Any]:
+    status = review["response"]["status"]
+    return status["code"], status["message"], status.get("details")
+
+
+async def test_the_executors_pods_are_refused_so_it_requeues_them_without_pausing_others() -> None:
+    ledger = MemoryLedger()
+    code, message, details = refusal_of(await admitter(ledger).review(request("20000", **EXECUTOR_POD)))
+    # The executor re-queues a 403 whose message contains "exceeded quota"; no Retry-After, which
+    # would pause the creation of every pod.
+    assert (code, details) == (403, None)
+    assert "exceeded quota" in message
+    assert "re-queues the task without spending a try" in message
+    # Even where 429 is the default for the KubernetesPodOperator's pods.
+    code, message, details = refusal_of(
+        await admitter(ledger, denial_code=429).review(request("20000", uid="u2", **EXECUTOR_POD))
+    )
+    assert (code, details) == (403, None)
+    assert "exceeded quota" in message
+    # Other pods keep the configured default, without the quota words.
+    code, message, _ = refusal_of(await admitter(ledger).review(request("20000", uid="u3")))
+    assert code == 403
+    assert "exceeded quota" not in message
+    assert "after its retry_delay" in message
+    assert ledger.objects == []
+
+
+async def test_the_refusal_is_chosen_per_pod_then_per_namespace_and_a_bad_value_is_a_400() -> None:
+    ledger = MemoryLedger()
+    labelled = Admitter(
+        settings=WebhookSettings(accounting=Accounting(safety_margin_mib=0), retry_after_s=40),
+        ledger=ledger,
+        metrics=WebhookMetrics(),
+        clock=lambda: NOW,
+        namespace_labels=lambda namespace: {"vramshare.io/refusal": "retry-after"},
+    )
+    code, message, details = refusal_of(await labelled.review(request("20000", **EXECUTOR_POD)))
+    assert (code, details) == (429, {"retryAfterSeconds": 40})  # nothing frees: the longest wait
+    assert "retry after 40 s" in message
+    code, message, details = refusal_of(
+        await labelled.review(request("20000", uid="u2", annotations={"gpu-refusal": "Requeue"}))
+    )
+    assert (code, details) == (403, None)
+    assert "exceeded quota" in message
+    code, _, _ = refusal_of(
+        await labelled.review(
+            request("20000", uid="u3", annotations={"gpu-refusal": "forbidden"}, **EXECUTOR_POD)
+        )
+    )
+    assert code == 403
+    bad = await labelled.review(request("1000", uid="u4", annotations={"gpu-refusal": "later"}))
+    assert refusal_of(bad)[:2] == (
+        400,
+        'annotation "gpu-refusal" is "later": accepted values are forbidden, retry-after, requeue',
+    )
+    assert ledger.objects == []
+
+
+def test_the_executor_refusal_setting_is_checked() -> None:
+    env = {"VRAMSHARE_EXECUTOR_REFUSAL": "forbidden", **TLS_FILES}
+    assert WebhookSettings.from_env(env).executor_refusal == "forbidden"
+    with pytest.raises(SettingsError, match="VRAMSHARE_EXECUTOR_REFUSAL='never' is not valid"):
+        WebhookSettings.from_env({**env, "VRAMSHARE_EXECUTOR_REFUSAL": "never"})
