@@ -27,6 +27,10 @@ venv: $(VENV_STAMP) ## Create the virtualenv and install vramshare with its dev 
 tools: ## Build (once, cached) etcd, Kubernetes, kwok and helm from their Go modules
 	@bash e2e/tools/build.sh >/dev/null
 
+.PHONY: airflow
+airflow: ## Install (once, cached) the real Apache Airflow the Airflow tests run, in its own virtualenv
+	@bash e2e/tools/airflow.sh >/dev/null
+
 .PHONY: lint
 lint: venv ## ruff (lint and format check)
 	$(BIN)/ruff check .
@@ -45,7 +49,7 @@ unit: venv ## Fast tests: no I/O
 	$(BIN)/pytest tests/unit
 
 .PHONY: test
-test: venv tools lint typecheck contracts ## Everything: lint, types, contracts, unit, integration, e2e
+test: venv tools airflow lint typecheck contracts ## Everything: lint, types, contracts, unit, integration, e2e
 	$(BIN)/pytest
 
 .PHONY: demo

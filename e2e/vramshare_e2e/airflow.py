@@ -1,0 +1,136 @@
+"""A real Apache Airflow next to the local control plane, for the Airflow tests.
+
+Airflow runs from its own cached virtualenv (e2e/tools/airflow.sh), never imported here: its CLI and
+its API server are separate processes, and code that must run inside Airflow (the executor's
+pod launch) runs as a script in that virtualenv. Its home is a temporary folder with a SQLite
+metadata database and the simple auth manager with one user.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from vramshare_e2e.cluster import Component, LocalCluster, free_port, http_ok
+
+TOOLS = Path(__file__).resolve().parent.parent / "tools"
+USER, PASSWORD = "vramshare", "pool-sync-password"
+
+
+def airflow_bin() -> Path:
+    """The Airflow virtualenv's bin directory, installed once and cached."""
+    out = subprocess.run(
+        ["bash", str(TOOLS / "airflow.sh")], check=True, stdout=subprocess.PIPE, text=True
+    ).stdout
+    return Path(out.strip().splitlines()[-1])
+
+
+@dataclass(frozen=True, kw_only=True)
+class Airflow:
+    bin: Path
+    home: Path
+    kubeconfig: Path
+
+    @property
+    def env(self) -> dict[str, str]:
+        """The environment every Airflow process of this home runs with."""
+        return {
+            **{k: v for k, v in os.environ.items() if not k.startswith(("AIRFLOW", "VIRTUAL_ENV"))},
+            "PATH": f"{self.bin}:{os.environ.get('PATH', '')}",
+            "AIRFLOW_HOME": str(self.home),
+            "AIRFLOW__CORE__DAGS_FOLDER": str(self.home / "dags"),
+            "AIRFLOW__CORE__LOAD_EXAMPLES": "false",
+            "AIRFLOW__CORE__UNIT_TEST_MODE": "false",
+            "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": f"{USER}:admin",
+            "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(self.home / "passwords.json"),
+            "AIRFLOW__LOGGING__BASE_LOG_FOLDER": str(self.home / "logs"),
+            "KUBECONFIG": str(self.kubeconfig),
+            "PYTHONUNBUFFERED": "1",
+        }
+
+    def run(
+        self, *args: str, timeout_s: float = 300, env: dict[str, str] | None = None
+    ) -> subprocess.CompletedProcess[str]:
+        """An `airflow` CLI command; its output is returned, whatever its exit status."""
+        return subprocess.run(
+            [str(self.bin / "airflow"), *args],
+            env={**self.env, **(env or {})},
+            cwd=self.home,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            timeout=timeout_s,
+            check=False,
+        )
+
+    def python(
+        self, script: Path, *args: str, timeout_s: float = 300, env: dict[str, str] | None = None
+    ) -> subprocess.CompletedProcess[str]:
+        """A Python script run inside Airflow's virtualenv, with this home."""
+        return subprocess.run(
+            [str(self.bin / "python"), str(script), *args],
+            env={**self.env, **(env or {})},
+            cwd=self.home,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            timeout=timeout_s,
+            check=False,
+        )
+
+
+def prepare(cluster: LocalCluster, *, home: Path) -> Airflow:
+    """An Airflow home with its metadata database made, talking to `cluster`."""
+    airflow = Airflow(bin=airflow_bin(), home=home, kubeconfig=cluster.kubeconfig)
+    (home / "dags").mkdir(parents=True, exist_ok=True)
+    (home / "passwords.json").write_text(json.dumps({USER: PASSWORD}))
+    done = airflow.run("db", "migrate")
+    if done.returncode != 0:
+        raise RuntimeError(f"airflow db migrate failed:\n{done.stdout[-3000:]}")
+    return airflow
+
+
+def start_api_server(cluster: LocalCluster, airflow: Airflow, *, name: str = "airflow-api-server") -> int:
+    """Airflow's API server (REST API v2, token login) as a component of `cluster`; returns its port."""
+    port = free_port()
+    component = Component(
+        name=name,
+        argv=[str(airflow.bin / "airflow"), "api-server", "--port", str(port), "--workers", "1"],
+        log_path=cluster.logs_dir / f"{name}.log",
+        ready=lambda: http_ok(f"http://127.0.0.1:{port}/api/v2/monitor/health"),
+        env=airflow.env,
+    )
+    cluster.components[name] = component
+    cluster.start_component(name)
+    return port
+
+
+def pool_slots(port: int, pool: str) -> int | None:
+    """The pool's slots as Airflow's REST API reports them (None: no such pool)."""
+    login = urllib.request.Request(
+        f"http://127.0.0.1:{port}/auth/token",
+        data=json.dumps({"username": USER, "password": PASSWORD}).encode(),
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
+    with urllib.request.urlopen(login, timeout=10) as resp:
+        token = json.loads(resp.read())["access_token"]
+    get = urllib.request.Request(
+        f"http://127.0.0.1:{port}/api/v2/pools/{pool}", headers={"Authorization": f"Bearer {token}"}
+    )
+    try:
+        with urllib.request.urlopen(get, timeout=10) as resp:
+            return int(json.loads(resp.read())["slots"])
+    except urllib.error.HTTPError as exc:
+        if exc.code == 404:
+            return None
+        raise
+
+
+if __name__ == "__main__":  # print the bin directory (installs Airflow if needed)
+    print(airflow_bin(), file=sys.stdout)

@@ -1,0 +1,365 @@
+"""A real Apache Airflow 3 against vramshare on the local control plane.
+
+Airflow (and its cncf-kubernetes provider) runs from its own cached virtualenv: `airflow dags test`
+runs DAGs whose KubernetesPodOperator tasks create pods through the real webhook over TLS; the
+KubernetesExecutor's own pod-launch code creates worker pods; the controller keeps Kaapana's pool in
+step through a real `airflow api-server`. Pods finish through kwok. Its own control plane.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kubernetes import client, config
+
+from vramshare.kube.resources import ANNOTATION_RESERVATION
+from vramshare_e2e.airflow import PASSWORD, USER, Airflow, pool_slots, prepare, start_api_server
+from vramshare_e2e.cluster import RUN_DURATION_ANNOTATION, LocalCluster, eventually
+from vramshare_e2e.components import (
+    start_controller,
+    start_webhook,
+    wait_for_gpu_devices,
+    webhook_configuration,
+)
+
+pytestmark = pytest.mark.cluster
+
+HERE = Path(__file__).resolve().parent / "airflow"
+POOL = "NODE_GPU_COUNT"
+POLL_S = 1.0
+WEBHOOK = "af.gpu-mem.vramshare.io"
+
+
+@dataclass
+class Stack:
+    cluster: LocalCluster
+    airflow: Airflow
+    api_port: int
+    core: client.CoreV1Api
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    home = tmp_path_factory.mktemp("airflow")
+    with LocalCluster.start() as local:
+        airflow = prepare(local, home=home)
+        shutil.copy(HERE / "dags.py", home / "dags" / "vramshare_dags.py")
+        api_port = start_api_server(local, airflow)
+        password_file = home / "pool-password"
+        password_file.write_text(PASSWORD + "\n")
+        # Short Retry-After so the 429 test waits seconds; no holds, so each test starts from a clean
+        # ledger (holds have their own tests).
+        port = start_webhook(
+            local,
+            name="webhook",
+            env={
+                "VRAMSHARE_SETTLE_S": "2",
+                "VRAMSHARE_RETRY_AFTER_S": "4",
+                "VRAMSHARE_RETRY_AFTER_MIN_S": "2",
+                "VRAMSHARE_HOLD_MIN_MIB": "0",
+            },
+        )[1]
+        local.apply_objects([webhook_configuration(local, ports={"af": port})])
+        for namespace in ("airflow", "executor", "executor-forbidden", "executor-429"):
+            local.kubectl("create", "namespace", namespace)
+            local.kubectl("label", "namespace", namespace, "vramshare-e2e/shard=af")
+        local.kubectl("label", "namespace", "executor-forbidden", "vramshare.io/refusal=forbidden")
+        local.kubectl("label", "namespace", "executor-429", "vramshare.io/refusal=retry-after")
+        start_controller(
+            local,
+            name="controller",
+            env={
+                "VRAMSHARE_POLL_INTERVAL_S": str(POLL_S),
+                "VRAMSHARE_LIFECYCLE_INTERVAL_S": "1",
+                "VRAMSHARE_MISSING_GRACE_S": "3",
+                "VRAMSHARE_SETTLE_S": "2",
+                "VRAMSHARE_AIRFLOW_URL": f"http://127.0.0.1:{api_port}",
+                "VRAMSHARE_AIRFLOW_USERNAME": USER,
+                "VRAMSHARE_AIRFLOW_PASSWORD_FILE": str(password_file),
+                "VRAMSHARE_AIRFLOW_POOL": POOL,
+            },
+        )
+        wait_for_gpu_devices(local)
+        core = client.CoreV1Api(config.new_client_from_config(config_file=str(local.kubeconfig)))
+        yield Stack(cluster=local, airflow=airflow, api_port=api_port, core=core)
+
+
+def device_states(cluster: LocalCluster) -> dict[str, str]:
+    items = json.loads(cluster.kubectl("get", "gpudevices", "-o", "json"))["items"]
+    return {d["spec"]["uuid"]: d.get("status", {}).get("state", "") for d in items}
+
+
+def reservations(cluster: LocalCluster, namespace: str) -> list[dict[str, Any]]:
+    out = cluster.kubectl("get", "gpureservations", "-n", namespace, "-o", "json")
+    return json.loads(out)["items"]  # type: ignore[no-any-return]
+
+
+def dag_test(stack: Stack, dag_id: str, namespace: str = "airflow") -> tuple[str, float]:
+    """`airflow dags test`: the run's output and how long it took."""
+    started = time.monotonic()
+    done = stack.airflow.run("dags", "test", dag_id, env={"VRAMSHARE_E2E_NAMESPACE": namespace})
+    (stack.cluster.logs_dir / f"airflow-dags-test-{dag_id}.log").write_text(done.stdout)
+    return done.stdout, time.monotonic() - started
+
+
+def json_output(output: str) -> Any:
+    """The JSON document an `airflow ... -o json` printed after its log lines."""
+    for line in reversed(output.splitlines()):
+        if line.startswith(("[{", "[]", "{")):
+            return json.loads(line)
+    raise AssertionError(f"no JSON in:\n{output[-2000:]}")
+
+
+def task_states(stack: Stack, dag_id: str) -> list[dict[str, Any]]:
+    """The task instances of the DAG's latest run, as Airflow's metadata database has them."""
+    runs = json_output(stack.airflow.run("dags", "list-runs", dag_id, "-o", "json").stdout)
+    done = stack.airflow.run("tasks", "states-for-dag-run", dag_id, runs[0]["run_id"], "-o", "json")
+    return json_output(done.stdout)  # type: ignore[no-any-return]
+
+
+def wait_until_nothing_is_booked(stack: Stack) -> None:
+    def idle() -> bool:
+        out = json.loads(stack.cluster.kubectl("get", "gpureservations", "-A", "-o", "json"))["items"]
+        return not any(
+            r.get("status", {}).get("phase") in ("Reserved", "Bound", "Queued", "Held") for r in out
+        )
+
+    eventually(idle, what="no GPU memory booked", timeout_s=60)
+
+
+def block_a100s(stack: Stack, namespace: str, *, seconds: int) -> None:
+    """Book 30000 MiB on both A100s for `seconds` (plain annotated pods), so a 30000 MiB task waits."""
+    wait_until_nothing_is_booked(stack)
+    for i in range(2):
+        stack.core.create_namespaced_pod(
+            namespace,
+            client.V1Pod(
+                metadata=client.V1ObjectMeta(
+                    name=f"blocker-{namespace}-{i}",
+                    annotations={"gpu-mem-mb": "30000", RUN_DURATION_ANNOTATION: f"{seconds}s"},
+                ),
+                spec=client.V1PodSpec(
+                    containers=[client.V1Container(name="base", image="example.invalid/blocker")],
+                    restart_policy="Never",
+                ),
+            ),
+        )
+
+
+# --- 3. Kaapana's pool, kept in step ---------------------------------------------------------------
+
+
+def test_the_pool_follows_ready_gpus_within_one_inventory_interval(stack: Stack) -> None:
+    cluster = stack.cluster
+    gpus = [g.uuid for _, g in cluster.settings.fleet.all_gpus()]
+    eventually(lambda: pool_slots(stack.api_port, POOL) == len(gpus), what="the pool created with 5 slots")
+    # A GPU whose DCGM series stops while its node reports others goes Missing: one slot less.
+    cluster.exporter.set_silent(gpus[-1], True)
+    missing_at = eventually(
+        lambda: device_states(cluster)[gpus[-1]] == "Missing" and time.monotonic(), what="Missing"
+    )
+    eventually(lambda: pool_slots(stack.api_port, POOL) == len(gpus) - 1, what="one slot less")
+    lag = time.monotonic() - missing_at
+    print(f"\npool slots followed a GPU going Missing {lag:.2f} s after its GpuDevice said so")
+    assert lag < POLL_S + 1.5  # the same poll writes both; the rest is this test's own polling
+    cluster.exporter.set_silent(gpus[-1], False)
+    eventually(lambda: pool_slots(stack.api_port, POOL) == len(gpus), what="the slot back")
+
+
+def test_airflow_away_is_logged_once_and_the_pool_is_set_when_it_returns(stack: Stack) -> None:
+    cluster = stack.cluster
+    gpus = [g.uuid for _, g in cluster.settings.fleet.all_gpus()]
+    log = cluster.components["controller"].log_path
+    eventually(lambda: pool_slots(stack.api_port, POOL) == len(gpus), what="the pool in step")
+    cluster.stop_component("airflow-api-server")
+    try:
+        cluster.exporter.set_silent(gpus[0], True)
+        eventually(lambda: device_states(cluster)[gpus[0]] == "Missing", what="Missing while Airflow is away")
+        time.sleep(4 * POLL_S)  # several failed polls
+        away = [json.loads(line) for line in log.read_text().splitlines() if "Airflow unreachable" in line]
+        assert len(away) == 1, away
+        assert away[0]["level"] == "warning"
+        assert away[0]["slots"] == len(gpus) - 1
+    finally:
+        cluster.start_component("airflow-api-server")
+    eventually(
+        lambda: pool_slots(stack.api_port, POOL) == len(gpus) - 1, what="the pool set after Airflow returns"
+    )
+    assert "Airflow reachable again" in log.read_text()
+    cluster.exporter.set_silent(gpus[0], False)
+    eventually(lambda: pool_slots(stack.api_port, POOL) == len(gpus), what="the slot back")
+
+
+# --- 1. KubernetesPodOperator tasks through vramshare ---------------------------------------------
+
+
+def test_a_task_that_fits_succeeds_on_its_gpu_and_its_reservation_ends_released(stack: Stack) -> None:
+    output, took = dag_test(stack, "vramshare_fits")
+    (task,) = task_states(stack, "vramshare_fits")
+    assert task["state"] == "success", output[-3000:]
+    print(f"\nKubernetesPodOperator task with 4000 MiB: success in {took:.1f} s")
+    (pod,) = stack.core.list_namespaced_pod("airflow", label_selector="dag_id=vramshare_fits").items
+    env = {e.name: e.value for e in pod.spec.containers[0].env}
+    gpus = {g.uuid for _, g in stack.cluster.settings.fleet.all_gpus()}
+    assert env["NVIDIA_VISIBLE_DEVICES"] in gpus
+    assert env["CUDA_VISIBLE_DEVICES"] == "0"
+    name = pod.metadata.annotations[ANNOTATION_RESERVATION]
+    eventually(
+        lambda: (
+            next(r for r in reservations(stack.cluster, "airflow") if r["metadata"]["name"] == name)
+            .get("status", {})
+            .get("phase")
+            == "Released"
+        ),
+        what="its reservation Released",
+    )
+
+
+def test_a_task_larger_than_any_gpu_fails_its_try_with_vramshares_explanation(stack: Stack) -> None:
+    output, _ = dag_test(stack, "vramshare_too_large")
+    (task,) = task_states(stack, "vramshare_too_large")
+    assert task["state"] == "failed"
+    # The task log carries the client's exception: the API server's Status body, whose message is
+    # vramshare's explanation inside the API server's words.
+    (raw,) = {  # the exception is printed more than once; one distinct refusal
+        line.split("HTTP response body: ", 1)[1]
+        for line in output.splitlines()
+        if "HTTP response body: " in line
+    }
+    body = json.loads(raw)
+    assert (body["code"], body["reason"]) == (403, "Forbidden")
+    message = body["message"]
+    assert message.startswith(
+        f'admission webhook "{WEBHOOK}" denied the request: no GPU has 100000 MiB of headroom for pod '
+        "airflow/vramshare-too-large-"
+    ), message
+    assert "the most any GPU can give is 39936 MiB" in message
+    assert message.endswith("The pod was not created; Airflow retries the task after its retry_delay.")
+    assert not stack.core.list_namespaced_pod("airflow", label_selector="dag_id=vramshare_too_large").items
+
+
+def test_in_429_mode_a_refused_task_succeeds_inside_the_same_try_once_memory_frees(stack: Stack) -> None:
+    block_a100s(stack, "airflow", seconds=8)
+    eventually(
+        lambda: (
+            sum(
+                1
+                for r in reservations(stack.cluster, "airflow")
+                if r["spec"]["podName"].startswith("blocker")
+            )
+            == 2
+        ),
+        what="the blockers booked",
+    )
+    output, took = dag_test(stack, "vramshare_waits_429")
+    (task,) = task_states(stack, "vramshare_waits_429")
+    assert task["state"] == "success", output[-3000:]
+    assert task.get("try_number", 1) == 1
+    # The provider's create retry, waiting what the API server's Retry-After (from vramshare) said.
+    retries = re.findall(
+        r"Retrying \S+PodManager.create_pod in (\d+) seconds as it raised ApiException: \(429\)", output
+    )
+    assert retries, output[-3000:]
+    assert "'Retry-After': '" in output
+    print(
+        f"\n429 mode: refused {len(retries)}x while the A100s were busy (waits {retries} s), admitted in "
+        f"the same try; the run took {took:.1f} s"
+    )
+
+
+def test_in_queue_mode_a_task_waits_and_succeeds_without_spending_a_try(stack: Stack) -> None:
+    block_a100s(stack, "executor", seconds=8)
+    output, took = dag_test(stack, "vramshare_waits_queued")
+    (task,) = task_states(stack, "vramshare_waits_queued")
+    assert task["state"] == "success", output[-3000:]
+    assert task.get("try_number", 1) == 1
+    (pod,) = stack.core.list_namespaced_pod("airflow", label_selector="dag_id=vramshare_waits_queued").items
+    assert pod.spec.scheduling_gates in (None, [])  # lifted by the controller
+    events = stack.core.list_namespaced_event(
+        "airflow", field_selector=f"involvedObject.name={pod.metadata.name}"
+    )
+    assert "QueuedForGpu" in {e.reason for e in events.items}  # it did wait behind the gate
+    print(f"\nqueue mode: the task waited behind the gate and succeeded in {took:.1f} s")
+
+
+# --- 2. The KubernetesExecutor ----------------------------------------------------------------------
+
+
+def executor_launch(stack: Stack, namespace: str, *, mib: int, seconds: float) -> tuple[dict[str, Any], str]:
+    template = stack.airflow.home / "pod_template.yaml"
+    template.write_text(
+        "apiVersion: v1\nkind: Pod\nmetadata:\n  name: worker\nspec:\n  restartPolicy: Never\n"
+        "  containers:\n    - name: base\n      image: example.invalid/airflow:3\n"
+    )
+    done = stack.airflow.python(
+        HERE / "executor_launch.py",
+        namespace,
+        str(mib),
+        str(seconds),
+        env={
+            "AIRFLOW__CORE__EXECUTOR": "KubernetesExecutor",
+            "AIRFLOW__KUBERNETES_EXECUTOR__NAMESPACE": namespace,
+            "AIRFLOW__KUBERNETES_EXECUTOR__IN_CLUSTER": "False",
+            "AIRFLOW__KUBERNETES_EXECUTOR__CONFIG_FILE": str(stack.cluster.kubeconfig),
+            "AIRFLOW__KUBERNETES_EXECUTOR__POD_TEMPLATE_FILE": str(template),
+            "AIRFLOW__KUBERNETES_EXECUTOR__WORKER_CONTAINER_REPOSITORY": "example.invalid/airflow",
+            "AIRFLOW__KUBERNETES_EXECUTOR__WORKER_CONTAINER_TAG": "3",
+            "AIRFLOW__KUBERNETES_EXECUTOR__TASK_PUBLISH_MAX_RETRIES": "-1",
+            "AIRFLOW__KUBERNETES_EXECUTOR__DELETE_WORKER_PODS": "False",
+        },
+    )
+    # Its pods run until deleted; they and their bookings go.
+    stack.core.delete_collection_namespaced_pod(namespace, label_selector="kubernetes_executor=True")
+    assert done.returncode == 0, done.stdout[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1]), done.stdout
+
+
+def test_the_executor_requeues_a_refused_gpu_task_without_a_try_and_without_pausing_others(
+    stack: Stack,
+) -> None:
+    block_a100s(stack, "executor-forbidden", seconds=12)
+    result, log = executor_launch(stack, "executor", mib=30_000, seconds=60)
+    print(f"\nKubernetesExecutor, default refusal (requeue): {result}")
+    # Refused while the A100s were busy, re-queued (no try spent), then created once memory freed.
+    assert result["requeued"] >= 1
+    assert result["failed_after_s"] is None
+    assert not result["paused"]
+    assert result["gpu_pod_visible_devices"] is not None
+    assert result["created_after_s"]["plain_task"] < result["created_after_s"]["gpu_task"]
+    assert result["created_after_s"]["plain_task"] < 5  # not held back by the GPU task's refusals
+    # What the scheduler's log says, with vramshare's explanation.
+    line = next(line for line in log.splitlines() if "Kube ApiException for Task" in line)
+    assert "Reason: 'Forbidden'" in line
+    assert f'admission webhook "{WEBHOOK}" denied the request' in line
+    assert "exceeded quota" in line
+
+
+def test_with_the_forbidden_refusal_the_executor_fails_the_task_and_with_429_it_pauses_all(
+    stack: Stack,
+) -> None:
+    eventually(
+        lambda: (
+            sum(
+                1
+                for r in reservations(stack.cluster, "executor-forbidden")
+                if r.get("status", {}).get("phase") == "Bound"
+            )
+            == 0
+        ),
+        what="the previous blockers finished",
+    )
+    block_a100s(stack, "executor-429", seconds=20)
+    failed, _ = executor_launch(stack, "executor-forbidden", mib=30_000, seconds=10)
+    assert failed["failed_after_s"] is not None
+    assert failed["requeued"] == 0
+    paused, _ = executor_launch(stack, "executor-429", mib=30_000, seconds=6)
+    assert paused["paused"]
+    print(f"\nforbidden: failed after {failed['failed_after_s']} s; retry-after: pod creation paused")
