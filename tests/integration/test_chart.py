@@ -51,6 +51,16 @@ VARIANTS = {
         "webhook.settings.queue_by_default=true",
         "--set",
         "webhook.settings.denial_code=429",
+        "--set",
+        "controller.airflowPool.enabled=true",
+        "--set",
+        "controller.airflowPool.url=https://airflow-api-server.airflow.svc:8080",
+        "--set",
+        "controller.airflowPool.credentialsSecret=airflow-pool-sync",
+        "--set",
+        "controller.airflowPool.caFile=/var/run/secrets/vramshare/airflow/ca.crt",
+        "--set",
+        "controller.airflowPool.basis=memory",
     ],
 }
 
@@ -111,6 +121,15 @@ def test_settings_are_named_as_the_components_name_them() -> None:
     assert webhook["VRAMSHARE_POLICY"] == controller["VRAMSHARE_POLICY"] == "binpack"  # queued pods too
     assert webhook["VRAMSHARE_QUEUE_BY_DEFAULT"] == "true"
     assert webhook["VRAMSHARE_DENIAL_CODE"] == "429"
+    assert webhook["VRAMSHARE_EXECUTOR_REFUSAL"] == "requeue"
+    assert controller["VRAMSHARE_AIRFLOW_POOL_BASIS"] == "memory"
+    assert controller["VRAMSHARE_AIRFLOW_USERNAME"] == {
+        "secretKeyRef": {"name": "airflow-pool-sync", "key": "username"}
+    }
+    # The password is a file from the mounted Secret, not an environment variable.
+    assert controller["VRAMSHARE_AIRFLOW_PASSWORD_FILE"] == "/var/run/secrets/vramshare/airflow/password"
+    pod = find(docs, "Deployment", "-controller")["spec"]["template"]["spec"]
+    assert {"name": "airflow", "secret": {"secretName": "airflow-pool-sync"}} in pod["volumes"]
     # Shared settings reach both components with one value.
     for key in [*variables(Accounting()), "VRAMSHARE_HOLD_LIMIT_S"]:
         assert webhook[key] == controller[key]
@@ -285,6 +304,14 @@ def test_optional_objects_and_pdb() -> None:
         (
             ["--set", "webhook.tls.mode=secret"],
             "webhook.tls.existingSecret is required in the secret TLS mode",
+        ),
+        (
+            ["--set", "controller.airflowPool.enabled=true"],
+            "controller.airflowPool.url is required when the pool sync is enabled",
+        ),
+        (
+            ["--set", "controller.airflowPool.basis=gpus"],
+            "at '/controller/airflowPool/basis': value must be one of 'ready-gpus', 'memory'",
         ),
     ],
 )
