@@ -64,6 +64,10 @@ bench-admission: venv tools ## Pod creation through vramshare vs a no-webhook ba
 image: ## Build the image with buildah on a Debian-package base, run each entry point in it, report its size
 	bash e2e/tools/build-image.sh
 
+.PHONY: plugin
+plugin: venv ## The kubectl plugin as krew ships it: dist/kubectl-vramshare-v<version>.tar.gz and its manifest dist/vramshare.yaml
+	$(BIN)/python -m vramshare_e2e.plugin --out dist
+
 .PHONY: chart-docs
 chart-docs: venv ## Regenerate charts/vramshare/README.md from the comments in values.yaml
 	$(BIN)/python -m vramshare_e2e.chart_docs

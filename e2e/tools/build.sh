@@ -4,7 +4,7 @@
 # this script, into a cache outside the repository keyed by the wrapper's go.mod/go.sum and the Go
 # version. A warm cache makes this a no-op; a cold one builds once, printing progress.
 #
-# Usage: e2e/tools/build.sh [tool...]   (tools: kubernetes etcd kwok helm; default: all)
+# Usage: e2e/tools/build.sh [tool...]   (tools: kubernetes etcd kwok helm krew; default: all)
 # Prints nothing on stdout but the bin directory on its last line, so callers can capture it.
 set -euo pipefail
 
@@ -21,10 +21,6 @@ pinned() { awk -v m="$2" '$1 == m {print $2; exit} $1 == "require" && $2 == m {p
 
 build_one() {
   local tool=$1 ldflags="" packages=() outputs=()
-  local key
-  # Keyed by what decides the binary: the pinned modules and this script's flags.
-  key=$(cat "$here/$tool/go.mod" "$here/$tool/go.sum" "$0" | sha256sum | cut -c1-12)
-  local stamp="$bin_dir/.$tool-$go_version-$key"
   case $tool in
     kubernetes)
       local v; v=$(pinned kubernetes k8s.io/kubernetes)
@@ -46,8 +42,17 @@ build_one() {
       ldflags="-X helm.sh/helm/v3/pkg/chartutil.k8sVersionMajor=1 -X helm.sh/helm/v3/pkg/chartutil.k8sVersionMinor=$(echo "$kv" | cut -d. -f2)"
       ldflags+=" -X helm.sh/helm/v3/internal/version.version=$(pinned helm helm.sh/helm/v3)"
       packages=(helm.sh/helm/v3/cmd/helm); outputs=(helm);;
+    krew)
+      packages=(sigs.k8s.io/krew/cmd/krew sigs.k8s.io/krew/cmd/validate-krew-manifest)
+      outputs=(krew validate-krew-manifest);;
     *) log "unknown tool: $tool"; exit 2;;
   esac
+  # Keyed by what decides the binaries: the pinned modules, the packages and the flags (not the rest
+  # of this script, so adding a tool rebuilds no other).
+  local key
+  key=$( (cat "$here/$tool/go.mod" "$here/$tool/go.sum"; echo "${packages[*]} ${outputs[*]} $ldflags") |
+    sha256sum | cut -c1-12)
+  local stamp="$bin_dir/.$tool-$go_version-$key"
   local all_there=1
   for o in "${outputs[@]}"; do [[ -x "$bin_dir/$o" ]] || all_there=0; done
   if [[ -f "$stamp" && $all_there == 1 ]]; then
@@ -71,6 +76,6 @@ build_one() {
 
 mkdir -p "$bin_dir"
 tools=("$@")
-[[ ${#tools[@]} -gt 0 ]] || tools=(etcd kubernetes kwok helm)
+[[ ${#tools[@]} -gt 0 ]] || tools=(etcd kubernetes kwok helm krew)
 for t in "${tools[@]}"; do build_one "$t"; done
 echo "$bin_dir"

@@ -12,9 +12,12 @@ import json
 import os
 import subprocess
 import sys
+import urllib.error
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from vramshare_e2e.cluster import Component, LocalCluster, free_port, http_ok
 
@@ -110,8 +113,8 @@ def start_api_server(cluster: LocalCluster, airflow: Airflow, *, name: str = "ai
     return port
 
 
-def pool_slots(port: int, pool: str) -> int | None:
-    """The pool's slots as Airflow's REST API reports them (None: no such pool)."""
+def api_get(port: int, path: str) -> Any:
+    """GET from Airflow's REST API (v2) as the test user."""
     login = urllib.request.Request(
         f"http://127.0.0.1:{port}/auth/token",
         data=json.dumps({"username": USER, "password": PASSWORD}).encode(),
@@ -121,15 +124,27 @@ def pool_slots(port: int, pool: str) -> int | None:
     with urllib.request.urlopen(login, timeout=10) as resp:
         token = json.loads(resp.read())["access_token"]
     get = urllib.request.Request(
-        f"http://127.0.0.1:{port}/api/v2/pools/{pool}", headers={"Authorization": f"Bearer {token}"}
+        f"http://127.0.0.1:{port}/api/v2/{path}", headers={"Authorization": f"Bearer {token}"}
     )
+    with urllib.request.urlopen(get, timeout=10) as resp:
+        return json.loads(resp.read())
+
+
+def pool_slots(port: int, pool: str) -> int | None:
+    """The pool's slots as Airflow's REST API reports them (None: no such pool)."""
     try:
-        with urllib.request.urlopen(get, timeout=10) as resp:
-            return int(json.loads(resp.read())["slots"])
+        return int(api_get(port, f"pools/{pool}")["slots"])
     except urllib.error.HTTPError as exc:
         if exc.code == 404:
             return None
         raise
+
+
+def latest_task_instances(port: int, dag_id: str) -> list[dict[str, Any]]:
+    """The task instances of the DAG's latest run, from the REST API (no CLI start-up per call)."""
+    runs = api_get(port, f"dags/{dag_id}/dagRuns?order_by=-start_date&limit=1")["dag_runs"]
+    run_id = urllib.parse.quote(runs[0]["dag_run_id"], safe="")
+    return api_get(port, f"dags/{dag_id}/dagRuns/{run_id}/taskInstances")["task_instances"]  # type: ignore[no-any-return]
 
 
 if __name__ == "__main__":  # print the bin directory (installs Airflow if needed)

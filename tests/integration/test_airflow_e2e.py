@@ -21,7 +21,15 @@ import pytest
 from kubernetes import client, config
 
 from vramshare.kube.resources import ANNOTATION_RESERVATION
-from vramshare_e2e.airflow import PASSWORD, USER, Airflow, pool_slots, prepare, start_api_server
+from vramshare_e2e.airflow import (
+    PASSWORD,
+    USER,
+    Airflow,
+    latest_task_instances,
+    pool_slots,
+    prepare,
+    start_api_server,
+)
 from vramshare_e2e.cluster import RUN_DURATION_ANNOTATION, LocalCluster, eventually
 from vramshare_e2e.components import (
     start_controller,
@@ -110,19 +118,9 @@ def dag_test(stack: Stack, dag_id: str, namespace: str = "airflow") -> tuple[str
     return done.stdout, time.monotonic() - started
 
 
-def json_output(output: str) -> Any:
-    """The JSON document an `airflow ... -o json` printed after its log lines."""
-    for line in reversed(output.splitlines()):
-        if line.startswith(("[{", "[]", "{")):
-            return json.loads(line)
-    raise AssertionError(f"no JSON in:\n{output[-2000:]}")
-
-
 def task_states(stack: Stack, dag_id: str) -> list[dict[str, Any]]:
-    """The task instances of the DAG's latest run, as Airflow's metadata database has them."""
-    runs = json_output(stack.airflow.run("dags", "list-runs", dag_id, "-o", "json").stdout)
-    done = stack.airflow.run("tasks", "states-for-dag-run", dag_id, runs[0]["run_id"], "-o", "json")
-    return json_output(done.stdout)  # type: ignore[no-any-return]
+    """The task instances of the DAG's latest run, as Airflow's REST API reports them."""
+    return latest_task_instances(stack.api_port, dag_id)
 
 
 def wait_until_nothing_is_booked(stack: Stack) -> None:
@@ -262,7 +260,7 @@ def test_in_429_mode_a_refused_task_succeeds_inside_the_same_try_once_memory_fre
     output, took = dag_test(stack, "vramshare_waits_429")
     (task,) = task_states(stack, "vramshare_waits_429")
     assert task["state"] == "success", output[-3000:]
-    assert task.get("try_number", 1) == 1
+    assert task["try_number"] == 1
     # The provider's create retry, waiting what the API server's Retry-After (from vramshare) said.
     retries = re.findall(
         r"Retrying \S+PodManager.create_pod in (\d+) seconds as it raised ApiException: \(429\)", output
@@ -280,7 +278,7 @@ def test_in_queue_mode_a_task_waits_and_succeeds_without_spending_a_try(stack: S
     output, took = dag_test(stack, "vramshare_waits_queued")
     (task,) = task_states(stack, "vramshare_waits_queued")
     assert task["state"] == "success", output[-3000:]
-    assert task.get("try_number", 1) == 1
+    assert task["try_number"] == 1
     (pod,) = stack.core.list_namespaced_pod("airflow", label_selector="dag_id=vramshare_waits_queued").items
     assert pod.spec.scheduling_gates in (None, [])  # lifted by the controller
     events = stack.core.list_namespaced_event(

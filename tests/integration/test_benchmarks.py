@@ -77,9 +77,11 @@ def test_admission_smoke(tmp_path: Path) -> None:
             level["vramshare"]["p50_ms"] / level["null_webhook"]["p50_ms"], 2
         )
         assert level["webhook_decision"]["mean_ms"] > 0
-        # Every admission wrote its reservation and its GPU's token (and the committed label).
+        # Every admission wrote its reservation (and the committed label); GPU tokens were bumped once
+        # per group commit (which may name several reservations decided together) and once more per
+        # conflicted attempt, so their count follows the interleaving, not the number of pods.
         assert level["api_writes"]["gpureservations/create"] >= report["pods_per_level"]
-        assert level["api_writes"]["gpudevices/patch"] >= report["pods_per_level"]
+        assert level["api_writes"]["gpudevices/patch"] > 0
         assert level["api_writes_per_admission"] >= 2
     assert all(v > 0 for v in report["peak_rss_mib"].values())
     assert [s["active_reservations"] for s in report["scale"]] == [300, 1_000]

@@ -19,8 +19,9 @@ import yaml
 from kubernetes import client, config
 
 from vramshare.kube.resources import ANNOTATION_GPU_UUID, ANNOTATION_RESERVATION, device_name
-from vramshare_e2e.cluster import RUN_DURATION_ANNOTATION, LocalCluster, eventually
+from vramshare_e2e.cluster import RUN_DURATION_ANNOTATION, LocalCluster, eventually, tools_bin_dir
 from vramshare_e2e.components import metric, start_controller, start_webhook, webhook_configuration
+from vramshare_e2e.plugin import build as build_plugin
 
 pytestmark = pytest.mark.cluster
 
@@ -496,5 +497,62 @@ def test_the_kubectl_plugin_takes_kubectls_flags(stack: LocalCluster) -> None:
         )
     finally:
         watching.send_signal(signal.SIGINT)
-        watching.wait(timeout=20)
+        watching.wait(timeout=60)  # generous: once seen slow to exit on a machine loaded past its cores
     assert watching.returncode == 0
+
+
+def test_the_krew_package_installs_with_krew_and_runs_on_a_bare_python(
+    stack: LocalCluster, tmp_path: Path
+) -> None:
+    """The archive and manifest a release ships: validated by krew's own validator, installed by krew
+    from the archive, and run with a Python that has no site-packages (all it needs is inside)."""
+    plugin = build_plugin(tmp_path / "dist", version="0.1.0", show=False)
+    bin_dir = tools_bin_dir()
+    validated = subprocess.run(
+        [str(bin_dir / "validate-krew-manifest"), "-manifest", str(plugin.manifest), "-skip-install"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert validated.returncode == 0, validated.stderr
+    assert "structural validation OK" in validated.stderr
+    spec = yaml.safe_load(plugin.manifest.read_text())["spec"]
+    assert {p["sha256"] for p in spec["platforms"]} == {plugin.sha256}
+    assert {p["uri"] for p in spec["platforms"]} == {
+        "https://github.com/vramshare/vramshare/releases/download/v0.1.0/kubectl-vramshare-v0.1.0.tar.gz"
+    }
+    # kubectl finds krew as kubectl-krew, and the plugin's `python3` is one without site-packages.
+    shims = tmp_path / "bin"
+    shims.mkdir()
+    (shims / "kubectl-krew").symlink_to(bin_dir / "krew")
+    (shims / "kubectl").symlink_to(bin_dir / "kubectl")
+    (shims / "python3").write_text(f'#!/bin/sh\nexec {sys.executable} -I -S "$@"\n')
+    (shims / "python3").chmod(0o755)
+    krew_root = tmp_path / "krew"
+    env = {
+        "PATH": f"{krew_root / 'bin'}:{shims}:/usr/bin:/bin",
+        "KREW_ROOT": str(krew_root),
+        "HOME": str(tmp_path),
+    }
+    installed = subprocess.run(
+        ["kubectl", "krew", "install", f"--manifest={plugin.manifest}", f"--archive={plugin.archive}"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=False,
+    )
+    assert installed.returncode == 0, installed.stderr
+    assert (krew_root / "store" / "vramshare" / "v0.1.0" / "LICENSE").is_file()
+    shown = subprocess.run(
+        ["kubectl", "vramshare", "status", "--kubeconfig", str(stack.kubeconfig), "-o", "json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+        check=False,
+    )
+    assert shown.returncode == 0, shown.stderr
+    api = {d["spec"]["uuid"] for d in devices(stack).values()}
+    assert {g["uuid"] for g in json.loads(shown.stdout)["gpus"]} == api

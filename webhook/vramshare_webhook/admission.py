@@ -74,7 +74,6 @@ from vramshare_webhook.pod import (
     hide_gpus_patch,
     literal_env,
     placement_patch,
-    pod_annotations,
     queue_patch,
     read_pod,
     shape_problem,
@@ -397,9 +396,12 @@ class Admitter:
     def _refusal(self, request: rv.Request) -> RefusalStyle | Invalid:
         """How the pod is refused if it does not fit: its annotation, else its namespace's label, else
         the default for the Airflow component that made it (the KubernetesExecutor's pods: requeue)."""
-        pod = request.object
+        # Read defensively: review() asks before the pod's shape is checked (any body gets an answer).
+        meta = request.object.get("metadata") if isinstance(request.object, dict) else None
+        meta = meta if isinstance(meta, dict) else {}
+        annotations, labels = meta.get("annotations"), meta.get("labels")
         accepted = ", ".join(s.value for s in RefusalStyle)
-        value = pod_annotations(pod).get(self.settings.refusal_annotation)
+        value = annotations.get(self.settings.refusal_annotation) if isinstance(annotations, dict) else None
         if value is not None:
             try:
                 return RefusalStyle(str(value).strip().lower())
@@ -412,7 +414,6 @@ class Admitter:
         labelled = self.namespace_labels(request.namespace).get(self.settings.refusal_namespace_label)
         if labelled is not None and labelled.strip().lower() in {s.value for s in RefusalStyle}:
             return RefusalStyle(labelled.strip().lower())
-        labels = pod.get("metadata", {}).get("labels")
         if isinstance(labels, dict) and str(labels.get(EXECUTOR_LABEL, "")).lower() == "true":
             return self.settings.executor_refusal
         return self.settings.default_refusal

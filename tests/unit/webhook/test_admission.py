@@ -814,3 +814,13 @@ def test_the_executor_refusal_setting_is_checked() -> None:
     assert WebhookSettings.from_env(env).executor_refusal == "forbidden"
     with pytest.raises(SettingsError, match="VRAMSHARE_EXECUTOR_REFUSAL='never' is not valid"):
         WebhookSettings.from_env({**env, "VRAMSHARE_EXECUTOR_REFUSAL": "never"})
+
+
+@pytest.mark.parametrize("metadata", [True, "\x00huge:1000", ["a"], {"annotations": 7, "labels": "x"}])
+async def test_the_refusal_choice_reads_any_body_without_failing(metadata: Any) -> None:
+    # Found by the fuzzer: choosing the refusal read metadata before the pod's shape was checked.
+    req = request()
+    req = replace(req, object={"metadata": metadata, "spec": {}})
+    review = await admitter(MemoryLedger()).review(req)
+    assert review["response"]["uid"] == "u1"
+    assert review["response"]["allowed"] in (True, False)
