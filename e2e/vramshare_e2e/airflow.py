@@ -71,19 +71,24 @@ class Airflow:
             check=False,
         )
 
-    def python(
-        self, script: Path, *args: str, timeout_s: float = 300, env: dict[str, str] | None = None
-    ) -> subprocess.CompletedProcess[str]:
-        """A Python script run inside Airflow's virtualenv, with this home."""
-        return subprocess.run(
-            [str(self.bin / "python"), str(script), *args],
+    def start(self, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+        """An `airflow` CLI command in the background, its output (stdout and stderr) piped."""
+        return self._popen([str(self.bin / "airflow"), *args], env=env)
+
+    def start_python(
+        self, script: Path, *args: str, env: dict[str, str] | None = None
+    ) -> subprocess.Popen[str]:
+        """A Python script inside Airflow's virtualenv, with this home, in the background."""
+        return self._popen([str(self.bin / "python"), str(script), *args], env=env)
+
+    def _popen(self, argv: list[str], *, env: dict[str, str] | None) -> subprocess.Popen[str]:
+        return subprocess.Popen(
+            argv,
             env={**self.env, **(env or {})},
             cwd=self.home,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-            timeout=timeout_s,
-            check=False,
         )
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -30,7 +31,7 @@ from vramshare_e2e.airflow import (
     prepare,
     start_api_server,
 )
-from vramshare_e2e.cluster import RUN_DURATION_ANNOTATION, LocalCluster, eventually
+from vramshare_e2e.cluster import LocalCluster, eventually
 from vramshare_e2e.components import (
     start_controller,
     start_webhook,
@@ -70,13 +71,13 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             name="webhook",
             env={
                 "VRAMSHARE_SETTLE_S": "2",
-                "VRAMSHARE_RETRY_AFTER_S": "4",
-                "VRAMSHARE_RETRY_AFTER_MIN_S": "2",
+                "VRAMSHARE_RETRY_AFTER_S": "2",
+                "VRAMSHARE_RETRY_AFTER_MIN_S": "1",
                 "VRAMSHARE_HOLD_MIN_MIB": "0",
             },
         )[1]
         local.apply_objects([webhook_configuration(local, ports={"af": port})])
-        for namespace in ("airflow", "executor", "executor-forbidden", "executor-429"):
+        for namespace in ("airflow", "executor", "executor-forbidden", "executor-429", "executor-blockers"):
             local.kubectl("create", "namespace", namespace)
             local.kubectl("label", "namespace", namespace, "vramshare-e2e/shard=af")
         local.kubectl("label", "namespace", "executor-forbidden", "vramshare.io/refusal=forbidden")
@@ -110,12 +111,37 @@ def reservations(cluster: LocalCluster, namespace: str) -> list[dict[str, Any]]:
     return json.loads(out)["items"]  # type: ignore[no-any-return]
 
 
-def dag_test(stack: Stack, dag_id: str, namespace: str = "airflow") -> tuple[str, float]:
-    """`airflow dags test`: the run's output and how long it took."""
+def dag_test(stack: Stack, dag_id: str, *, free_blockers_after: str | None = None) -> tuple[str, float]:
+    """`airflow dags test`: the run's output and how long it took. With `free_blockers_after` (a
+    decision outcome), the blockers are deleted as soon as the webhook has decided that about the
+    DAG's pod, so memory frees while the task is refused or waiting, whatever Airflow's start-up took."""
     started = time.monotonic()
-    done = stack.airflow.run("dags", "test", dag_id, env={"VRAMSHARE_E2E_NAMESPACE": namespace})
-    (stack.cluster.logs_dir / f"airflow-dags-test-{dag_id}.log").write_text(done.stdout)
-    return done.stdout, time.monotonic() - started
+    run = stack.airflow.start("dags", "test", dag_id, env={"VRAMSHARE_E2E_NAMESPACE": "airflow"})
+    try:
+        if free_blockers_after is not None:
+            pod = "airflow/" + dag_id.replace("_", "-")
+            eventually(
+                lambda: decided(stack, pod, free_blockers_after),
+                what=f"{pod} {free_blockers_after}",
+                timeout_s=90,
+            )
+            time.sleep(2)  # refused or waiting a while
+            free_blockers(stack)
+        output, _ = run.communicate(timeout=300)
+    finally:
+        run.kill()
+    (stack.cluster.logs_dir / f"airflow-dags-test-{dag_id}.log").write_text(output)
+    return output, time.monotonic() - started
+
+
+def decided(stack: Stack, pod_prefix: str, outcome: str) -> bool:
+    """Whether the webhook has logged a decision `outcome` for a pod whose name starts so."""
+    for line in stack.cluster.components["webhook"].log_path.read_text().splitlines():
+        if '"decision"' in line and f'"{outcome}"' in line:
+            entry = json.loads(line)
+            if entry.get("outcome") == outcome and str(entry.get("pod", "")).startswith(pod_prefix):
+                return True
+    return False
 
 
 def task_states(stack: Stack, dag_id: str) -> list[dict[str, Any]]:
@@ -133,16 +159,19 @@ def wait_until_nothing_is_booked(stack: Stack) -> None:
     eventually(idle, what="no GPU memory booked", timeout_s=60)
 
 
-def block_a100s(stack: Stack, namespace: str, *, seconds: int) -> None:
-    """Book 30000 MiB on both A100s for `seconds` (plain annotated pods), so a 30000 MiB task waits."""
+BLOCKER = "e2e-blocker=true"
+
+
+def block_a100s(stack: Stack, namespace: str) -> None:
+    """Book 30000 MiB on both A100s (plain annotated pods that run until deleted), so a 30000 MiB
+    task waits; `free_blockers` ends them."""
     wait_until_nothing_is_booked(stack)
     for i in range(2):
         stack.core.create_namespaced_pod(
             namespace,
             client.V1Pod(
                 metadata=client.V1ObjectMeta(
-                    name=f"blocker-{namespace}-{i}",
-                    annotations={"gpu-mem-mb": "30000", RUN_DURATION_ANNOTATION: f"{seconds}s"},
+                    name=f"blocker-{i}", labels={"e2e-blocker": "true"}, annotations={"gpu-mem-mb": "30000"}
                 ),
                 spec=client.V1PodSpec(
                     containers=[client.V1Container(name="base", image="example.invalid/blocker")],
@@ -150,6 +179,11 @@ def block_a100s(stack: Stack, namespace: str, *, seconds: int) -> None:
                 ),
             ),
         )
+
+
+def free_blockers(stack: Stack) -> None:
+    for namespace in ("airflow", "executor-blockers"):
+        stack.core.delete_collection_namespaced_pod(namespace, label_selector=BLOCKER, grace_period_seconds=0)
 
 
 # --- 3. Kaapana's pool, kept in step ---------------------------------------------------------------
@@ -245,19 +279,8 @@ def test_a_task_larger_than_any_gpu_fails_its_try_with_vramshares_explanation(st
 
 
 def test_in_429_mode_a_refused_task_succeeds_inside_the_same_try_once_memory_frees(stack: Stack) -> None:
-    block_a100s(stack, "airflow", seconds=8)
-    eventually(
-        lambda: (
-            sum(
-                1
-                for r in reservations(stack.cluster, "airflow")
-                if r["spec"]["podName"].startswith("blocker")
-            )
-            == 2
-        ),
-        what="the blockers booked",
-    )
-    output, took = dag_test(stack, "vramshare_waits_429")
+    block_a100s(stack, "airflow")
+    output, took = dag_test(stack, "vramshare_waits_429", free_blockers_after="refused")
     (task,) = task_states(stack, "vramshare_waits_429")
     assert task["state"] == "success", output[-3000:]
     assert task["try_number"] == 1
@@ -274,30 +297,29 @@ def test_in_429_mode_a_refused_task_succeeds_inside_the_same_try_once_memory_fre
 
 
 def test_in_queue_mode_a_task_waits_and_succeeds_without_spending_a_try(stack: Stack) -> None:
-    block_a100s(stack, "executor", seconds=8)
-    output, took = dag_test(stack, "vramshare_waits_queued")
+    block_a100s(stack, "airflow")
+    output, took = dag_test(stack, "vramshare_waits_queued", free_blockers_after="queued")
     (task,) = task_states(stack, "vramshare_waits_queued")
     assert task["state"] == "success", output[-3000:]
     assert task["try_number"] == 1
     (pod,) = stack.core.list_namespaced_pod("airflow", label_selector="dag_id=vramshare_waits_queued").items
     assert pod.spec.scheduling_gates in (None, [])  # lifted by the controller
-    events = stack.core.list_namespaced_event(
-        "airflow", field_selector=f"involvedObject.name={pod.metadata.name}"
-    )
-    assert "QueuedForGpu" in {e.reason for e in events.items}  # it did wait behind the gate
+    assert decided(stack, "airflow/vramshare-waits-queued", "queued")  # it was admitted gated, to wait
     print(f"\nqueue mode: the task waited behind the gate and succeeded in {took:.1f} s")
 
 
 # --- 2. The KubernetesExecutor ----------------------------------------------------------------------
 
 
-def executor_launch(stack: Stack, namespace: str, *, mib: int, seconds: float) -> tuple[dict[str, Any], str]:
+def executor_launch(
+    stack: Stack, namespace: str, *, mib: int, seconds: float, free_blockers_after_refusal: bool = False
+) -> tuple[dict[str, Any], str]:
     template = stack.airflow.home / "pod_template.yaml"
     template.write_text(
         "apiVersion: v1\nkind: Pod\nmetadata:\n  name: worker\nspec:\n  restartPolicy: Never\n"
         "  containers:\n    - name: base\n      image: example.invalid/airflow:3\n"
     )
-    done = stack.airflow.python(
+    run = stack.airflow.start_python(
         HERE / "executor_launch.py",
         namespace,
         str(mib),
@@ -314,6 +336,17 @@ def executor_launch(stack: Stack, namespace: str, *, mib: int, seconds: float) -
             "AIRFLOW__KUBERNETES_EXECUTOR__DELETE_WORKER_PODS": "False",
         },
     )
+    try:
+        if free_blockers_after_refusal:
+            eventually(
+                lambda: decided(stack, f"{namespace}/", "refused"), what="the GPU task refused", timeout_s=90
+            )
+            time.sleep(2)  # a few re-queued attempts while the A100s are still busy
+            free_blockers(stack)
+        output, _ = run.communicate(timeout=300)
+    finally:
+        run.kill()
+    done = subprocess.CompletedProcess(run.args, run.returncode, output)
     # Its pods run until deleted; they and their bookings go.
     stack.core.delete_collection_namespaced_pod(namespace, label_selector="kubernetes_executor=True")
     assert done.returncode == 0, done.stdout[-4000:]
@@ -323,8 +356,8 @@ def executor_launch(stack: Stack, namespace: str, *, mib: int, seconds: float) -
 def test_the_executor_requeues_a_refused_gpu_task_without_a_try_and_without_pausing_others(
     stack: Stack,
 ) -> None:
-    block_a100s(stack, "executor-forbidden", seconds=12)
-    result, log = executor_launch(stack, "executor", mib=30_000, seconds=60)
+    block_a100s(stack, "executor-blockers")
+    result, log = executor_launch(stack, "executor", mib=30_000, seconds=60, free_blockers_after_refusal=True)
     print(f"\nKubernetesExecutor, default refusal (requeue): {result}")
     # Refused while the A100s were busy, re-queued (no try spent), then created once memory freed.
     assert result["requeued"] >= 1
@@ -343,21 +376,11 @@ def test_the_executor_requeues_a_refused_gpu_task_without_a_try_and_without_paus
 def test_with_the_forbidden_refusal_the_executor_fails_the_task_and_with_429_it_pauses_all(
     stack: Stack,
 ) -> None:
-    eventually(
-        lambda: (
-            sum(
-                1
-                for r in reservations(stack.cluster, "executor-forbidden")
-                if r.get("status", {}).get("phase") == "Bound"
-            )
-            == 0
-        ),
-        what="the previous blockers finished",
-    )
-    block_a100s(stack, "executor-429", seconds=20)
+    block_a100s(stack, "executor-blockers")
     failed, _ = executor_launch(stack, "executor-forbidden", mib=30_000, seconds=10)
     assert failed["failed_after_s"] is not None
     assert failed["requeued"] == 0
     paused, _ = executor_launch(stack, "executor-429", mib=30_000, seconds=6)
     assert paused["paused"]
+    free_blockers(stack)
     print(f"\nforbidden: failed after {failed['failed_after_s']} s; retry-after: pod creation paused")

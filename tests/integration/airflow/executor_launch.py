@@ -56,7 +56,7 @@ while time.monotonic() - started < seconds:
         task = pod.metadata.labels.get("task_id")
         if task not in seen:
             seen[task] = round(time.monotonic() - started, 1)
-    if "gpu_task" in seen or failed_at is not None:
+    if "gpu_task" in seen or failed_at is not None or paused:
         break
     time.sleep(1)
 
