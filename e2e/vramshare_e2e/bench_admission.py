@@ -243,7 +243,7 @@ def admission(*, smoke: bool, show: Callable[[str], None]) -> dict[str, Any]:
         controller = cluster.components["controller"]
         controller.env = {**(controller.env or {}), "VRAMSHARE_RESERVATION_TTL_S": "86400"}
         cluster.start_component("controller")
-        for count in [300, 1_000] if smoke else [10_000, 100_000]:
+        for count in [200, 500] if smoke else [10_000, 100_000]:
             result["scale"].append(_at_scale(cluster, core, ports, have=made, count=count, show=show))
             made = count
     return result

@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import signal
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
@@ -260,7 +261,10 @@ def main(argv: list[str] | None = None) -> None:
     status.add_argument("-w", "--watch", action="store_true", help="print again whenever something changed")
     status.add_argument("--interval", type=float, default=2.0, help="with -w: seconds between reads")
     args = parser.parse_args(argv)
-    with contextlib.suppress(KeyboardInterrupt):  # -w ends with Ctrl-C
+    # -w ends with Ctrl-C (SIGINT), even when started where SIGINT was ignored (a background job of a
+    # script): Python then installs no handler of its own, and the watch would never end.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(_show(args))
 
 

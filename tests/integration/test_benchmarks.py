@@ -84,7 +84,7 @@ def test_admission_smoke(tmp_path: Path) -> None:
         assert level["api_writes"]["gpudevices/patch"] > 0
         assert level["api_writes_per_admission"] >= 2
     assert all(v > 0 for v in report["peak_rss_mib"].values())
-    assert [s["active_reservations"] for s in report["scale"]] == [300, 1_000]
+    assert [s["active_reservations"] for s in report["scale"]] == [200, 500]
     for scale in report["scale"]:
         assert scale["errors"] == 0
         assert all(v > 0 for v in scale["webhook_rss_mib"].values())

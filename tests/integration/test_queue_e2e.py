@@ -38,7 +38,7 @@ CONTROLLER_ENV = {
     "VRAMSHARE_LEASE_RENEW_DEADLINE_S": "2.5",
     "VRAMSHARE_LEASE_RETRY_PERIOD_S": "0.5",
     "VRAMSHARE_QUEUE_INTERVAL_S": "1",
-    "VRAMSHARE_HOLD_LIMIT_S": "25",
+    "VRAMSHARE_HOLD_LIMIT_S": "12",
 }
 
 
@@ -412,5 +412,5 @@ def test_a_hold_whose_task_never_comes_back_lapses(stack: LocalCluster, core: cl
         what="the hold lapsed",
         timeout_s=60,
     )
-    print(f"\nhold lapsed {time.monotonic() - started:.0f} s after it was seen (limit 25 s)")
+    print(f"\nhold lapsed {time.monotonic() - started:.0f} s after it was seen (limit 12 s)")
     assert lapsed["status"]["reason"] == "HoldLapsed"
