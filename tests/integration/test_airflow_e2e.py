@@ -215,7 +215,7 @@ def test_airflow_away_is_logged_once_and_the_pool_is_set_when_it_returns(stack: 
     try:
         cluster.exporter.set_silent(gpus[0], True)
         eventually(lambda: device_states(cluster)[gpus[0]] == "Missing", what="Missing while Airflow is away")
-        time.sleep(4 * POLL_S)  # several failed polls
+        time.sleep(3 * POLL_S)  # several failed polls
         away = [json.loads(line) for line in log.read_text().splitlines() if "Airflow unreachable" in line]
         assert len(away) == 1, away
         assert away[0]["level"] == "warning"

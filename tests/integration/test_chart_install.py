@@ -3,13 +3,17 @@ rights for its end-to-end flow (sufficiency), and refused what it does not need 
 
 from __future__ import annotations
 
+import base64
 import json
+import os
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from vramshare_e2e.cluster import RUN_DURATION_ANNOTATION, LocalCluster, eventually, free_port
 from vramshare_e2e.components import start_controller, start_webhook
@@ -229,6 +233,37 @@ def test_vramshare_runs_as_the_chart_identities(stack: LocalCluster) -> None:
         assert "forbidden" not in log.lower(), log[-3000:]
 
 
+def test_the_helm_test_hook_passes_against_the_installed_webhook(stack: LocalCluster, tmp_path: Path) -> None:
+    """`helm test`'s pod cannot run here (kwok runs no containers), so its script, as the release
+    installed it, runs as a process: against the replica serving the chart's TLS Secret, verified
+    with that Secret's ca.crt, only the address swapped for the replica's on loopback."""
+    (hook,) = [
+        d
+        for d in yaml.safe_load_all(helm(stack, "get", "hooks", "t", "-n", NS))
+        if d and d["metadata"]["annotations"].get("helm.sh/hook") == "test"
+    ]
+    (container,) = hook["spec"]["containers"]
+    assert container["command"] == ["python", "-c"]
+    (script,) = container["args"]
+    service_url = f"https://t-vramshare-webhook.{NS}.svc:443/mutate"
+    assert service_url in script
+    replica_url = json.loads(
+        stack.kubectl("get", "mutatingwebhookconfiguration", "t-vramshare", "-o", "json")
+    )["webhooks"][0]["clientConfig"]["url"]
+    ca = tmp_path / "ca.crt"
+    secret = json.loads(stack.kubectl("get", "secret", "t-vramshare-webhook-tls", "-n", NS, "-o", "json"))
+    ca.write_bytes(base64.b64decode(secret["data"]["ca.crt"]))
+    done = subprocess.run(
+        [sys.executable, "-c", script.replace(service_url, replica_url).replace("/tls/ca.crt", str(ca))],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "the vramshare webhook answered over verified TLS"
+
+
 def test_pinning_annotations_cannot_be_changed_after_admission(stack: LocalCluster) -> None:
     """The chart's ValidatingAdmissionPolicy: nobody re-points an admitted pod (runs after the flow above);
     even the controller only adds the placement of a pod still behind its scheduling gate."""
@@ -333,6 +368,81 @@ def test_no_way_around_pinning_and_hiding(stack: LocalCluster) -> None:
         check=False,
     )
     assert "only vramshare sets vramshare.io/* annotations and labels" in refused, refused
+
+
+CERT_MANAGER = "github.com/cert-manager/cert-manager@v1.21.2"
+
+
+def cert_manager_crds() -> list[Path]:
+    """cert-manager's own CRDs, from its Go module (fetched once into the module cache). Its
+    controllers live in cmd/ modules that are not published to the module proxy, so only the API
+    (the CRDs and their schemas) can be had here."""
+    env = {**os.environ, "GOTOOLCHAIN": "local", "GOFLAGS": "-mod=mod"}
+    out = subprocess.run(
+        ["go", "mod", "download", "-json", CERT_MANAGER],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        check=True,
+    ).stdout
+    crds = Path(json.loads(out)["Dir"]) / "deploy" / "crds"
+    return sorted(crds.glob("cert-manager.io_*.yaml"))
+
+
+def test_the_cert_manager_mode_installs_against_cert_managers_own_crds(stack: LocalCluster) -> None:
+    """The cert-manager mode's CA chain, installed by helm into a real API server that validates it
+    against cert-manager's real CRD schemas (a second release, removed at the end)."""
+    for crd in cert_manager_crds():
+        stack.kubectl("apply", "--server-side", "-f", str(crd))
+    names = ["certificates.cert-manager.io", "issuers.cert-manager.io"]
+    stack.kubectl("wait", "--for=condition=Established", "--timeout=60s", *[f"crd/{n}" for n in names])
+    try:
+        helm(
+            stack,
+            "install",
+            "cm",
+            str(CHART),
+            "-n",
+            "cm",
+            "--create-namespace",
+            "--wait=false",
+            "--set",
+            "webhook.tls.mode=cert-manager",
+            # Nothing serves this release's webhook: it must not stand in the way of the module's pods.
+            "--set",
+            "webhook.failurePolicy=Ignore",
+            "--set",
+            "webhook.namespaceSelector.matchLabels.cert-manager-test=only",
+            "--set",
+            "webhook.hideGpus.enabled=false",
+            "--set",
+            "tamperProtection.enabled=false",
+        )
+        objects = json.loads(stack.kubectl("get", "certificates,issuers", "-n", "cm", "-o", "json"))["items"]
+        by_name = {(o["kind"], o["metadata"]["name"]): o["spec"] for o in objects}
+        assert set(by_name) == {
+            ("Issuer", "cm-vramshare-webhook-selfsigned"),
+            ("Certificate", "cm-vramshare-webhook-ca"),
+            ("Issuer", "cm-vramshare-webhook"),
+            ("Certificate", "cm-vramshare-webhook"),
+        }
+        ca = by_name[("Certificate", "cm-vramshare-webhook-ca")]
+        assert ca["isCA"] is True
+        assert ca["issuerRef"] == {"kind": "Issuer", "name": "cm-vramshare-webhook-selfsigned"}
+        assert by_name[("Issuer", "cm-vramshare-webhook")]["ca"] == {"secretName": "cm-vramshare-webhook-ca"}
+        serving = by_name[("Certificate", "cm-vramshare-webhook")]
+        assert serving["issuerRef"] == {"kind": "Issuer", "name": "cm-vramshare-webhook"}
+        assert "cm-vramshare-webhook.cm.svc" in serving["dnsNames"]
+        configuration = json.loads(
+            stack.kubectl("get", "mutatingwebhookconfiguration", "cm-vramshare", "-o", "json")
+        )
+        assert (
+            configuration["metadata"]["annotations"]["cert-manager.io/inject-ca-from"]
+            == "cm/cm-vramshare-webhook"
+        )
+    finally:
+        helm(stack, "uninstall", "cm", "-n", "cm")
 
 
 def test_moving_to_templated_crds_upgrades_them_and_uninstall_keeps_them(stack: LocalCluster) -> None:
