@@ -17,7 +17,7 @@ NAMESPACE = os.environ.get("VRAMSHARE_E2E_NAMESPACE", "airflow")
 KUBECONFIG = os.environ.get("KUBECONFIG")
 
 
-def gpu_task(dag: DAG, *, mib: int, run: str = "3s", **annotations: str) -> KubernetesPodOperator:
+def gpu_task(dag: DAG, *, mib: int, run: str = "1s", **annotations: str) -> KubernetesPodOperator:
     return KubernetesPodOperator(
         dag=dag,
         task_id="gpu_task",
@@ -30,6 +30,7 @@ def gpu_task(dag: DAG, *, mib: int, run: str = "3s", **annotations: str) -> Kube
         get_logs=False,
         on_finish_action="keep_pod",
         startup_timeout_seconds=120,
+        startup_check_interval_seconds=1,  # the default 5 s only slows the tests
         retries=0,
     )
 
