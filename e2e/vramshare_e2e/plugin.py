@@ -17,14 +17,17 @@ import argparse
 import hashlib
 import io
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tarfile
 import tempfile
+import tomllib
 import zipapp
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 RELEASES = "https://github.com/vramshare/vramshare/releases/download"
@@ -49,25 +52,20 @@ class Plugin:
     sha256: str
 
 
+def _project() -> dict[str, Any]:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]  # type: ignore[no-any-return]
+
+
 def project_version() -> str:
-    for line in (ROOT / "pyproject.toml").read_text().splitlines():
-        if line.startswith("version = "):
-            return line.split('"')[1]
-    raise RuntimeError("no version in pyproject.toml")
+    return str(_project()["version"])
 
 
 def _requirements() -> list[str]:
     """What the plugin imports beyond the standard library, with vramshare's own version bounds."""
     wanted = {"aiohttp", "kubernetes", "pyyaml"}
-    lines = (ROOT / "pyproject.toml").read_text().splitlines()
-    start = lines.index("dependencies = [")
-    deps = []
-    for line in lines[start + 1 :]:
-        if line.strip() == "]":
-            break
-        spec = line.strip().strip(",").strip('"')
-        if spec.split(">")[0].split("<")[0].split("=")[0].lower() in wanted:
-            deps.append(spec)
+    deps = [
+        d for d in _project()["dependencies"] if re.split(r"[<>=!~ ]", d, maxsplit=1)[0].lower() in wanted
+    ]
     # kubernetes 37 imports pydantic, whose core is compiled; 36 is the newest without it, and the
     # plugin only loads kubeconfigs with it.
     return [*deps, "kubernetes<37"]

@@ -234,12 +234,13 @@ class Admitter:
         except Exception as exc:  # an answer, never a crash: the failurePolicy decides what follows
             log.exception("admission failed", uid=request.uid, namespace=request.namespace)
             decision = Errored(message=f"vramshare could not decide: {exc}", error_type=type(exc).__name__)
-        style = self._refusal(request)
+        # Only a refusal needs its style (most answers are for pods that ask for no GPU).
+        style = self._refusal(request) if isinstance(decision, Refuse | Contention | Late) else None
         result = answer(
             decision,
             uid=request.uid,
             settings=self.settings,
-            style=style if isinstance(style, RefusalStyle) else self.settings.default_refusal,
+            style=style if isinstance(style, RefusalStyle) else None,
         )
         elapsed = time.perf_counter() - started
         self.metrics.decisions.labels(result.outcome.value, result.reason).inc()

@@ -155,10 +155,6 @@ class WebhookSettings:
     def default_refusal(self) -> RefusalStyle:
         return RefusalStyle.RETRY_AFTER if self.denial_code == 429 else RefusalStyle.FORBIDDEN
 
-    @property
-    def retry_hint(self) -> str:
-        return self.retry_hint_after(self.retry_after_s)
-
     def retry_hint_after(self, retry_after_s: int, style: RefusalStyle | None = None) -> str:
         """The refusal's last sentence: how the task will be retried."""
         match style or self.default_refusal:
