@@ -24,8 +24,8 @@ $(VENV_STAMP): pyproject.toml e2e/pyproject.toml
 venv: $(VENV_STAMP) ## Create the virtualenv and install vramshare with its dev tools
 
 .PHONY: tools
-tools: ## Build (once, cached) etcd, Kubernetes, kwok and helm from their Go modules
-	@bash e2e/tools/build.sh >/dev/null
+tools: venv ## Build (once, cached) etcd, Kubernetes, kwok and helm from their Go modules; install Prometheus
+	@$(BIN)/python -m vramshare_e2e.cluster --prepare
 
 .PHONY: airflow
 airflow: ## Install (once, cached) the real Apache Airflow the Airflow tests run, in its own virtualenv
@@ -48,9 +48,13 @@ contracts: venv ## import-linter: the domain stays pure
 unit: venv ## Fast tests: no I/O
 	$(BIN)/pytest tests/unit
 
+# Test modules run on this many workers (pytest-xdist), each module whole on one worker: most of an
+# integration module's time is spent waiting on its control plane, so two overlap well even on 2 cores.
+TEST_WORKERS ?= 2
+
 .PHONY: test
 test: venv tools airflow lint typecheck contracts ## Everything: lint, types, contracts, unit, integration, e2e
-	$(BIN)/pytest
+	$(BIN)/pytest --numprocesses=$(TEST_WORKERS) --dist=loadfile
 
 .PHONY: demo
 demo: venv tools ## The whole system on a local control plane: pods admitted, placed, refused (KEEP=1 keeps it up)

@@ -80,19 +80,35 @@ def _ephemeral_range() -> tuple[int, int]:
         return 32768, 60999
 
 
+_HANDED_OUT: set[int] = set()
+"""Ports this process has handed out: free when checked, but maybe not bound yet (a cluster picks all
+its ports before starting any component), so never handed out twice."""
+
+
 def free_port() -> int:
     """A free loopback port below the kernel's ephemeral range: an outgoing connection can take a port
     from that range between our check and the server's bind (seen in CI as 'address already in use')."""
-    low, _ = _ephemeral_range()
+    low, high = 10_000, max(10_001, _ephemeral_range()[0])
+    # Parallel test workers (pytest-xdist's gw0, gw1, ...) each draw from their own slice, so two
+    # clusters starting at once never pick the same port between one's check and its bind.
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if worker.startswith("gw") and worker[2:].isdigit() and workers > 1:
+        size = (high - low) // workers
+        low += int(worker[2:]) * size
+        high = low + size
     rng = random.Random()
     for _ in range(200):
-        port = rng.randrange(10_000, max(10_001, low))
+        port = rng.randrange(low, high)
+        if port in _HANDED_OUT:
+            continue
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
-            return port
+        _HANDED_OUT.add(port)
+        return port
     raise ClusterError("no free loopback port found below the ephemeral range")
 
 
@@ -692,7 +708,16 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Run vramshare's local control plane in the foreground.")
     parser.add_argument("--workdir", type=Path, help="keep certificates, data and logs here")
     parser.add_argument("--fleet", type=Path, help="fleet JSON (default: 2 x A100 40GB + 3 x T4)")
+    parser.add_argument(
+        "--prepare",
+        action="store_true",
+        help="only build the binaries and install Prometheus where missing, then exit (before parallel "
+        "test workers start clusters: they must not both run apt-get)",
+    )
     args = parser.parse_args(argv)
+    if args.prepare:
+        say(f"control-plane binaries in {tools_bin_dir()}; Prometheus at {prometheus_binary()}")
+        return
     settings = ClusterSettings(
         workdir=args.workdir,
         keep_workdir=args.workdir is not None,
