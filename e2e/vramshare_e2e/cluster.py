@@ -271,13 +271,23 @@ class LocalCluster:
     def start(cls, *, settings: ClusterSettings | None = None) -> LocalCluster:
         settings = settings or ClusterSettings()
         bin_dir = tools_bin_dir()
-        cluster = cls(settings, bin_dir)
-        try:
-            cluster._start_all()
-        except BaseException:
-            cluster.stop()
-            raise
-        return cluster
+        attempts = 3 if settings.workdir is None else 1  # a kept work folder holds the failed try's data
+        for attempt in range(1, attempts + 1):
+            cluster = cls(settings, bin_dir)
+            try:
+                cluster._start_all()
+            except ClusterError as exc:
+                cluster.stop()
+                # A port checked free can still be bound by another program before our component binds it.
+                if "address already in use" not in str(exc) or attempt == attempts:
+                    raise
+                say(f"a port was taken before its component bound it; starting again on new ports ({exc})")
+                continue
+            except BaseException:
+                cluster.stop()
+                raise
+            return cluster
+        raise AssertionError("unreachable: the last attempt returns or raises")
 
     def _bin(self, name: str) -> str:
         path = self.bin_dir / name

@@ -11,6 +11,7 @@ import pytest
 from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 
+from vramshare_e2e import cluster as cluster_module
 from vramshare_e2e.cluster import (
     EXIT_CODE_ANNOTATION,
     RUN_DURATION_ANNOTATION,
@@ -195,3 +196,35 @@ def test_stop_leaves_nothing_running() -> None:
         with socket.socket() as s:
             assert s.connect_ex(("127.0.0.1", port)) != 0, f"port {port} still open"
     assert not workdir.exists()
+
+
+def test_a_port_taken_before_its_component_binds_it_starts_again_on_new_ports(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A port is checked free well before its component binds it; another program may take it between
+    the two (seen with two clusters starting at once). The start is tried again on new ports."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        handed_out = iter([port])  # etcd's client port, the first one a cluster asks for
+        real_free_port = cluster_module.free_port
+        monkeypatch.setattr(cluster_module, "free_port", lambda: next(handed_out, 0) or real_free_port())
+        small = LocalCluster.start(
+            settings=ClusterSettings(
+                with_scheduler=False,
+                with_controller_manager=False,
+                with_kwok=False,
+                with_prometheus=False,
+                install_crds=False,
+            )
+        )
+        try:
+            assert port not in small.ports.values()
+            assert all(c.running for c in small.components.values())
+            assert small.kubectl("get", "--raw", "/readyz") == "ok"
+        finally:
+            small.stop()
+    err = capsys.readouterr().err
+    assert "starting again on new ports" in err
+    assert "address already in use" in err
