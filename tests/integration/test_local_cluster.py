@@ -174,16 +174,19 @@ def test_minted_user_without_permissions_is_refused_by_rbac(cluster: LocalCluste
     )
 
 
-def test_stop_leaves_nothing_running() -> None:
-    small = LocalCluster.start(
-        settings=ClusterSettings(
-            with_scheduler=False,
-            with_controller_manager=False,
-            with_kwok=False,
-            with_prometheus=False,
-            install_crds=False,
-        )
+def etcd_and_api_server_only() -> ClusterSettings:
+    """The smallest control plane (plus the fake exporter): quick to start, for tests of starting."""
+    return ClusterSettings(
+        with_scheduler=False,
+        with_controller_manager=False,
+        with_kwok=False,
+        with_prometheus=False,
+        install_crds=False,
     )
+
+
+def test_stop_leaves_nothing_running() -> None:
+    small = LocalCluster.start(settings=etcd_and_api_server_only())
     pids = small.pids()
     ports = [small.ports["etcd"], small.ports["apiserver"], small.ports["exporter"]]
     workdir = small.workdir
@@ -210,15 +213,7 @@ def test_a_port_taken_before_its_component_binds_it_starts_again_on_new_ports(
         handed_out = iter([port])  # etcd's client port, the first one a cluster asks for
         real_free_port = cluster_module.free_port
         monkeypatch.setattr(cluster_module, "free_port", lambda: next(handed_out, 0) or real_free_port())
-        small = LocalCluster.start(
-            settings=ClusterSettings(
-                with_scheduler=False,
-                with_controller_manager=False,
-                with_kwok=False,
-                with_prometheus=False,
-                install_crds=False,
-            )
-        )
+        small = LocalCluster.start(settings=etcd_and_api_server_only())
         try:
             assert port not in small.ports.values()
             assert all(c.running for c in small.components.values())
