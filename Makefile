@@ -28,8 +28,9 @@ tools: venv ## Build (once, cached) etcd, Kubernetes, kwok and helm from their G
 	@$(BIN)/python -m vramshare_e2e.cluster --prepare
 
 .PHONY: airflow
-airflow: ## Install (once, cached) the real Apache Airflow the Airflow tests run, in its own virtualenv
-	@bash e2e/tools/airflow.sh >/dev/null
+airflow: ## Install (once, cached) the real Apache Airflow 3 and 2 the Airflow tests run, each in its own virtualenv
+	@bash e2e/tools/airflow.sh airflow >/dev/null
+	@bash e2e/tools/airflow.sh airflow2 >/dev/null
 
 .PHONY: lint
 lint: venv ## ruff (lint and format check)

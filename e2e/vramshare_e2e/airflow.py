@@ -12,9 +12,12 @@ import json
 import os
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,10 +28,11 @@ TOOLS = Path(__file__).resolve().parent.parent / "tools"
 USER, PASSWORD = "vramshare", "pool-sync-password"
 
 
-def airflow_bin() -> Path:
-    """The Airflow virtualenv's bin directory, installed once and cached."""
+def airflow_bin(flavour: str = "airflow") -> Path:
+    """The bin directory of an Airflow virtualenv (`airflow`: Airflow 3; `airflow2`: Airflow 2),
+    installed once and cached."""
     out = subprocess.run(
-        ["bash", str(TOOLS / "airflow.sh")], check=True, stdout=subprocess.PIPE, text=True
+        ["bash", str(TOOLS / "airflow.sh"), flavour], check=True, stdout=subprocess.PIPE, text=True
     ).stdout
     return Path(out.strip().splitlines()[-1])
 
@@ -150,6 +154,80 @@ def latest_task_instances(port: int, dag_id: str) -> list[dict[str, Any]]:
     runs = api_get(port, f"dags/{dag_id}/dagRuns?order_by=-start_date&limit=1")["dag_runs"]
     run_id = urllib.parse.quote(runs[0]["dag_run_id"], safe="")
     return api_get(port, f"dags/{dag_id}/dagRuns/{run_id}/taskInstances")["task_instances"]  # type: ignore[no-any-return]
+
+
+VIEWER = "viewer"
+"""An Airflow 2 user who may read pools but not edit them."""
+
+
+@contextmanager
+def airflow2_webserver(home: Path) -> Iterator[str]:
+    """Airflow 2's webserver on a free loopback port, its REST API v1 taking basic auth, with an
+    Admin user USER and a Viewer user VIEWER (both with PASSWORD); yields its base URL."""
+    bin_dir = airflow_bin("airflow2")
+    home.mkdir(parents=True, exist_ok=True)
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith(("AIRFLOW", "VIRTUAL_ENV"))},
+        "AIRFLOW_HOME": str(home),
+        "AIRFLOW__CORE__LOAD_EXAMPLES": "false",
+        "AIRFLOW__CORE__UNIT_TEST_MODE": "false",
+        "AIRFLOW__API__AUTH_BACKENDS": "airflow.api.auth.backend.basic_auth,airflow.api.auth.backend.session",
+        "AIRFLOW__WEBSERVER__SECRET_KEY": "vramshare-e2e",
+        "PYTHONWARNINGS": "ignore",
+    }
+
+    def cli(*args: str) -> None:
+        done = subprocess.run(
+            [str(bin_dir / "airflow"), *args],
+            env=env,
+            cwd=home,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"airflow {args[0]} {args[1]} failed:\n{done.stdout[-3000:]}")
+
+    cli("db", "migrate")
+    cli("sync-perm", "--include-dags")  # makes the roles other than Admin (the webserver would, later)
+    for user, role in ((USER, "Admin"), (VIEWER, "Viewer")):
+        cli(
+            "users",
+            "create",
+            "-u",
+            user,
+            "-p",
+            PASSWORD,
+            "-r",
+            role,
+            "-f",
+            user,
+            "-l",
+            "e2e",
+            "-e",
+            f"{user}@e2e",
+        )
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    server = Component(
+        name="airflow2-webserver",
+        argv=[str(bin_dir / "airflow"), "webserver", "--port", str(port), "--workers", "1"],
+        log_path=home / "webserver.log",
+        ready=lambda: http_ok(f"{url}/api/v1/health"),
+        env=env,
+    )
+    server.start()
+    try:
+        deadline = time.monotonic() + 120
+        while not server.ready():
+            if not server.running or time.monotonic() > deadline:
+                raise RuntimeError(f"Airflow 2's webserver did not start:\n{server.tail()}")
+            time.sleep(0.5)
+        yield url
+    finally:
+        server.stop()
 
 
 if __name__ == "__main__":  # print the bin directory (installs Airflow if needed)

@@ -1,14 +1,17 @@
-"""Setting an Airflow pool's slots through Airflow 3's REST API (aiohttp).
+"""Setting an Airflow pool's slots through Airflow's REST API (aiohttp): Airflow 3 or Airflow 2.
 
 Airflow 3 authenticates API calls with a JWT: `POST /auth/token` with a username and password (the
 simple auth manager and the FAB auth manager both serve it) returns `access_token`, sent as a bearer
-token until it is refused (401 or 403), when a new one is fetched once. A pool that does not exist yet is
-created.
+token until it is refused (401 or 403), when a new one is fetched once. Airflow 2 has no `/auth/token`
+(404): its stable REST API, `/api/v1`, takes the same username and password as HTTP basic auth, which
+its `[api] auth_backends` must allow (`airflow.api.auth.backend.basic_auth`). Which one answers is found
+at the first login. A pool that does not exist yet is created.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import ssl
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,10 +37,18 @@ class AirflowAccess:
     timeout_s: float = 5.0
 
 
+AIRFLOW_3 = "Airflow 3 (REST API v2, token login)"
+AIRFLOW_2 = "Airflow 2 (REST API v1, basic auth)"
+
+
 class AirflowPools:
     def __init__(self, access: AirflowAccess) -> None:
         self.access = access
+        self.api: str | None = None
+        """AIRFLOW_3 or AIRFLOW_2 once a login has found out; None before."""
         self._token: str | None = None
+        self._basic: str | None = None
+        """The Authorization header for Airflow 2's basic auth."""
         self._session: aiohttp.ClientSession | None = None
 
     async def close(self) -> None:
@@ -59,11 +70,15 @@ class AirflowPools:
 
     async def set_slots(self, *, pool: str, slots: int, description: str) -> int | None:
         """Give `pool` `slots`; returns the slots it had, or None when it was created."""
-        path = f"api/v2/pools/{quote(pool, safe='')}"
+        if self.api is None:
+            await self._login()
+        pools = "api/v2/pools" if self.api == AIRFLOW_3 else "api/v1/pools"
+        path = f"{pools}/{quote(pool, safe='')}"
         status, body = await self._call("GET", path)
         if status == 404:
+            created = {200, 201}  # Airflow 3 answers 201, Airflow 2 200
             await self._expect(
-                "POST", "api/v2/pools", {201}, json={"name": pool, "slots": slots, "description": description}
+                "POST", pools, created, json={"name": pool, "slots": slots, "description": description}
             )
             return None
         if status != 200:
@@ -71,7 +86,7 @@ class AirflowPools:
         current = body if isinstance(body, dict) else {}
         before = int(current["slots"]) if "slots" in current else None
         if before != slots:
-            # The mask changes only the slots, but Airflow 3 validates a whole pool in the body.
+            # The mask changes only the slots, but Airflow validates a whole pool in the body.
             whole = {"name": pool, "slots": slots, "include_deferred": bool(current.get("include_deferred"))}
             await self._expect("PATCH", path, {200}, params={"update_mask": "slots"}, json=whole)
         return before
@@ -83,19 +98,35 @@ class AirflowPools:
         return body
 
     async def _call(self, method: str, path: str, **kwargs: Any) -> tuple[int, Any]:
-        """One call with the current token; a refusal (401, or 403 for an expired or foreign token in
-        Airflow 3) fetches a new token and tries once more."""
+        """One call with the current credentials; a refusal (401, or 403 for an expired or foreign
+        token in Airflow 3) logs in again (a new token, or the password read again) and tries once
+        more."""
         for attempt in range(2):
-            if self._token is None:
-                self._token = await self._login()
-            headers = {"Authorization": f"Bearer {self._token}"}
-            status, body = await self._request(method, path, headers=headers, **kwargs)
+            if self._token is None and self._basic is None:
+                await self._login()
+            status, body = await self._request(method, path, **self._credentials(), **kwargs)
             if status not in (401, 403) or attempt:
+                if status == 401 and self.api == AIRFLOW_2:
+                    raise AirflowUnavailableError(
+                        f"Airflow 2 refused user {self.access.username!r} (401) on /{path}: the password "
+                        "must match, and [api] auth_backends must include "
+                        "airflow.api.auth.backend.basic_auth (Airflow 2's default allows the UI's session "
+                        "only)"
+                    )
+                if status == 403:
+                    raise AirflowUnavailableError(
+                        f"Airflow user {self.access.username!r} may not {method} /{path} (403): give it a "
+                        f"role that can read and edit pools (Op or Admin); {_short(body)}"
+                    )
                 return status, body
-            self._token = None
+            self._token = self._basic = None
         raise AssertionError("unreachable")
 
-    async def _login(self) -> str:
+    def _credentials(self) -> dict[str, Any]:
+        return {"headers": {"Authorization": self._basic or f"Bearer {self._token}"}}
+
+    async def _login(self) -> None:
+        """A token from Airflow 3's /auth/token; where that is missing (Airflow 2), basic auth."""
         password = ""
         if self.access.password_file:
             try:
@@ -105,12 +136,18 @@ class AirflowPools:
         status, body = await self._request(
             "POST", "auth/token", json={"username": self.access.username, "password": password}
         )
+        if status in (404, 405):
+            self.api = AIRFLOW_2
+            pair = f"{self.access.username}:{password}".encode()
+            self._basic = "Basic " + base64.b64encode(pair).decode()
+            return
         token = body.get("access_token") if isinstance(body, dict) else None
         if status not in (200, 201) or not isinstance(token, str):
             raise AirflowUnavailableError(
                 f"logging in to Airflow as {self.access.username!r} answered {status}: {_short(body)}"
             )
-        return token
+        self.api = AIRFLOW_3
+        self._token = token
 
     async def _request(self, method: str, path: str, **kwargs: Any) -> tuple[int, Any]:
         try:

@@ -68,7 +68,9 @@ class PoolSync:
             log.info("Airflow reachable again", pool=s.airflow_pool)
         self.failing = False
         if before != slots:
-            log.info("Airflow pool slots set", pool=s.airflow_pool, slots=slots, was=before)
+            log.info(
+                "Airflow pool slots set", pool=s.airflow_pool, slots=slots, was=before, api=self.pools.api
+            )
         self.written, self.written_at = slots, self.clock()
         self.metrics.pool_slots.labels(s.airflow_pool).set(slots)
 

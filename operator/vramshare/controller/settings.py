@@ -58,8 +58,9 @@ class ControllerSettings:
     """How long a hold lasts: queue mode's on one GPU for the head of the queue, refuse mode's for a
     refused large request's next try (ended here, as Expired/HoldLapsed)."""
     airflow_url: str = ""
-    """Airflow's API server (Airflow 3, e.g. http://airflow-api-server.airflow.svc:8080): the leader
-    keeps the pool airflow_pool's slots in step with the fleet. Empty: no pool sync."""
+    """Airflow's API server (Airflow 3, e.g. http://airflow-api-server.airflow.svc:8080) or webserver
+    (Airflow 2, REST API v1 with basic auth): the leader keeps the pool airflow_pool's slots in step
+    with the fleet. Empty: no pool sync."""
     airflow_pool: str = "NODE_GPU_COUNT"
     """The pool GPU tasks use (Kaapana's name); created when missing."""
     airflow_pool_basis: PoolBasis = PoolBasis.READY_GPUS

@@ -22,6 +22,7 @@ class Pools:
         self.slots: int | None = None
         self.calls = 0
         self.down = False
+        self.api = "Airflow 3 (REST API v2, token login)"
 
     async def set_slots(self, *, pool: str, slots: int, description: str) -> int | None:
         self.calls += 1
