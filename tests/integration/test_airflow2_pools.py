@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import json
+import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -15,6 +16,8 @@ import pytest
 
 from vramshare.airflow_pools import AIRFLOW_2, AirflowAccess, AirflowPools, AirflowUnavailableError
 from vramshare_e2e.airflow import PASSWORD, USER, VIEWER, airflow2_webserver
+from vramshare_e2e.cluster import LocalCluster, eventually
+from vramshare_e2e.components import start_controller
 
 POOL = "NODE_GPU_COUNT"
 
@@ -91,3 +94,34 @@ async def test_a_user_who_may_not_edit_pools_is_told_which_role_can(airflow2: st
         await pools.close()
     assert f"Airflow user {VIEWER!r} may not" in str(refused.value)
     assert "(403): give it a role that can read and edit pools (Op or Admin)" in str(refused.value)
+
+
+@pytest.mark.cluster
+def test_the_controller_keeps_an_airflow_2_pool_at_the_ready_gpus(airflow2: str, tmp_path: Path) -> None:
+    """The whole path: the controller on a local control plane, its pool sync against Airflow 2."""
+    password_file = tmp_path / "password"
+    password_file.write_text(PASSWORD)
+    with LocalCluster.start() as cluster:
+        start_controller(
+            cluster,
+            name="controller",
+            env={
+                "VRAMSHARE_POLL_INTERVAL_S": "1",
+                "VRAMSHARE_AIRFLOW_URL": airflow2,
+                "VRAMSHARE_AIRFLOW_USERNAME": USER,
+                "VRAMSHARE_AIRFLOW_PASSWORD_FILE": str(password_file),
+                "VRAMSHARE_AIRFLOW_POOL": "kaapana-gpus",
+            },
+        )
+        gpus = len(cluster.settings.fleet.all_gpus())
+
+        def slots() -> int | None:
+            try:
+                return int(rest(airflow2, "GET", "pools/kaapana-gpus")["slots"])
+            except urllib.error.HTTPError:
+                return None
+
+        eventually(lambda: slots() == gpus, what=f"the pool created with {gpus} slots", timeout_s=60)
+        log = cluster.components["controller"].log_path.read_text().splitlines()
+        (line,) = [json.loads(x) for x in log if "Airflow pool slots set" in x]
+        assert (line["slots"], line["was"], line["api"]) == (gpus, None, AIRFLOW_2)
