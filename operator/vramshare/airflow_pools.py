@@ -86,8 +86,12 @@ class AirflowPools:
         current = body if isinstance(body, dict) else {}
         before = int(current["slots"]) if "slots" in current else None
         if before != slots:
-            # The mask changes only the slots, but Airflow validates a whole pool in the body.
-            whole = {"name": pool, "slots": slots, "include_deferred": bool(current.get("include_deferred"))}
+            # The mask changes only the slots, but Airflow validates a whole pool in the body. Airflow
+            # before 2.7 has no include_deferred and refuses unknown fields, so it is sent back only
+            # where the pool has it.
+            whole: dict[str, Any] = {"name": pool, "slots": slots}
+            if "include_deferred" in current:
+                whole["include_deferred"] = bool(current["include_deferred"])
             await self._expect("PATCH", path, {200}, params={"update_mask": "slots"}, json=whole)
         return before
 
