@@ -726,7 +726,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     if args.prepare:
-        say(f"control-plane binaries in {tools_bin_dir()}; Prometheus at {prometheus_binary()}")
+        try:
+            say(f"control-plane binaries in {tools_bin_dir()}; Prometheus at {prometheus_binary()}")
+        except ClusterError as exc:
+            raise SystemExit(f"[vramshare cluster] {exc}") from None
         return
     settings = ClusterSettings(
         workdir=args.workdir,
