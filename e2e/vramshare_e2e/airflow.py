@@ -12,7 +12,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -37,6 +36,11 @@ def airflow_bin(flavour: str = "airflow") -> Path:
     return Path(out.strip().splitlines()[-1])
 
 
+def _outside_environ() -> dict[str, str]:
+    """This process's environment without its Airflow settings and virtualenv, for an Airflow process."""
+    return {k: v for k, v in os.environ.items() if not k.startswith(("AIRFLOW", "VIRTUAL_ENV"))}
+
+
 @dataclass(frozen=True, kw_only=True)
 class Airflow:
     bin: Path
@@ -47,7 +51,7 @@ class Airflow:
     def env(self) -> dict[str, str]:
         """The environment every Airflow process of this home runs with."""
         return {
-            **{k: v for k, v in os.environ.items() if not k.startswith(("AIRFLOW", "VIRTUAL_ENV"))},
+            **_outside_environ(),
             "PATH": f"{self.bin}:{os.environ.get('PATH', '')}",
             "AIRFLOW_HOME": str(self.home),
             "AIRFLOW__CORE__DAGS_FOLDER": str(self.home / "dags"),
@@ -167,7 +171,7 @@ def airflow2_webserver(home: Path) -> Iterator[str]:
     bin_dir = airflow_bin("airflow2")
     home.mkdir(parents=True, exist_ok=True)
     env = {
-        **{k: v for k, v in os.environ.items() if not k.startswith(("AIRFLOW", "VIRTUAL_ENV"))},
+        **_outside_environ(),
         "AIRFLOW_HOME": str(home),
         "AIRFLOW__CORE__LOAD_EXAMPLES": "false",
         "AIRFLOW__CORE__UNIT_TEST_MODE": "false",
@@ -220,11 +224,7 @@ def airflow2_webserver(home: Path) -> Iterator[str]:
     )
     server.start()
     try:
-        deadline = time.monotonic() + 120
-        while not server.ready():
-            if not server.running or time.monotonic() > deadline:
-                raise RuntimeError(f"Airflow 2's webserver did not start:\n{server.tail()}")
-            time.sleep(0.5)
+        server.wait_ready(timeout_s=120)
         yield url
     finally:
         server.stop()

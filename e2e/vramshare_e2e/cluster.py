@@ -212,6 +212,19 @@ class Component:
             os.killpg(proc.pid, signal.SIGKILL)
         self.process = None
 
+    def wait_ready(self, *, timeout_s: float) -> None:
+        """Until it is ready; ClusterError with its log's tail if it exits or the time runs out."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.ready():
+                return
+            if not self.running:
+                raise ClusterError(f"{self.name} exited while starting; last log lines:\n{self.tail()}")
+            time.sleep(0.2)
+        raise ClusterError(
+            f"{self.name} was not ready within {timeout_s:g} s; last log lines:\n{self.tail()}"
+        )
+
     def tail(self, lines: int = 25) -> str:
         try:
             text = self.log_path.read_text(errors="replace").splitlines()
@@ -494,19 +507,7 @@ class LocalCluster:
         self.components[name].stop(kill=kill)
 
     def _wait_ready(self, component: Component) -> None:
-        deadline = time.monotonic() + self.settings.startup_timeout_s
-        while time.monotonic() < deadline:
-            if component.ready():
-                return
-            if not component.running:
-                raise ClusterError(
-                    f"{component.name} exited while starting; last log lines:\n{component.tail()}"
-                )
-            time.sleep(0.2)
-        raise ClusterError(
-            f"{component.name} was not ready within {self.settings.startup_timeout_s:g} s; "
-            f"last log lines:\n{component.tail()}"
-        )
+        component.wait_ready(timeout_s=self.settings.startup_timeout_s)
 
     def wait_for(self, check: Callable[[], bool], *, what: str, timeout_s: float = 30.0) -> None:
         """Like `eventually`, but a timeout raises ClusterError carrying the components' log tails."""

@@ -113,25 +113,34 @@ def reservations(cluster: LocalCluster, namespace: str) -> list[dict[str, Any]]:
 
 def dag_test(stack: Stack, dag_id: str, *, free_blockers_after: str | None = None) -> tuple[str, float]:
     """`airflow dags test`: the run's output and how long it took. With `free_blockers_after` (a
-    decision outcome), the blockers are deleted as soon as the webhook has decided that about the
-    DAG's pod, so memory frees while the task is refused or waiting, whatever Airflow's start-up took."""
+    decision outcome), the blockers go once the webhook has decided that about the DAG's pod."""
     started = time.monotonic()
     run = stack.airflow.start("dags", "test", dag_id, env={"VRAMSHARE_E2E_NAMESPACE": "airflow"})
+    pod = "airflow/" + dag_id.replace("_", "-")
+    output = output_freeing_blockers(
+        stack, run, after=None if free_blockers_after is None else (pod, free_blockers_after)
+    )
+    (stack.cluster.logs_dir / f"airflow-dags-test-{dag_id}.log").write_text(output)
+    return output, time.monotonic() - started
+
+
+def output_freeing_blockers(
+    stack: Stack, run: subprocess.Popen[str], *, after: tuple[str, str] | None
+) -> str:
+    """`run`'s output once it has ended. With `after` (a pod name prefix and a decision outcome), the
+    blockers are deleted 2 s after the webhook has decided so about that pod: memory frees while the
+    task is refused or waiting (re-queued a few times, refused more than once), whatever Airflow's
+    start-up took."""
     try:
-        if free_blockers_after is not None:
-            pod = "airflow/" + dag_id.replace("_", "-")
-            eventually(
-                lambda: decided(stack, pod, free_blockers_after),
-                what=f"{pod} {free_blockers_after}",
-                timeout_s=90,
-            )
-            time.sleep(2)  # refused or waiting a while
+        if after is not None:
+            pod, outcome = after
+            eventually(lambda: decided(stack, pod, outcome), what=f"{pod} {outcome}", timeout_s=90)
+            time.sleep(2)
             free_blockers(stack)
         output, _ = run.communicate(timeout=300)
     finally:
         run.kill()
-    (stack.cluster.logs_dir / f"airflow-dags-test-{dag_id}.log").write_text(output)
-    return output, time.monotonic() - started
+    return output
 
 
 def decided(stack: Stack, pod_prefix: str, outcome: str) -> bool:
@@ -336,16 +345,9 @@ def executor_launch(
             "AIRFLOW__KUBERNETES_EXECUTOR__DELETE_WORKER_PODS": "False",
         },
     )
-    try:
-        if free_blockers_after_refusal:
-            eventually(
-                lambda: decided(stack, f"{namespace}/", "refused"), what="the GPU task refused", timeout_s=90
-            )
-            time.sleep(2)  # a few re-queued attempts while the A100s are still busy
-            free_blockers(stack)
-        output, _ = run.communicate(timeout=300)
-    finally:
-        run.kill()
+    output = output_freeing_blockers(
+        stack, run, after=(f"{namespace}/", "refused") if free_blockers_after_refusal else None
+    )
     done = subprocess.CompletedProcess(run.args, run.returncode, output)
     # Its pods run until deleted; they and their bookings go.
     stack.core.delete_collection_namespaced_pod(namespace, label_selector="kubernetes_executor=True")
