@@ -224,6 +224,8 @@ def admission(*, smoke: bool, show: Callable[[str], None]) -> dict[str, Any]:
                 "webhook_commit": _decision_quantiles(before, after, "commit"),
                 "conflicts_retried": after.get("vramshare_webhook_commit_conflicts_total", 0)
                 - before.get("vramshare_webhook_commit_conflicts_total", 0),
+                "commits_rebased": after.get("vramshare_webhook_commit_rebases_total", 0)
+                - before.get("vramshare_webhook_commit_rebases_total", 0),
                 "consistent_reads": after.get("vramshare_webhook_consistent_reads_total", 0)
                 - before.get("vramshare_webhook_consistent_reads_total", 0),
                 "api_writes": writes,
@@ -373,7 +375,7 @@ def summary(report: dict[str, Any]) -> str:
         "plain, null webhook and vramshare on one API server",
         f"{'conc':>4}  {'plain p50':>9} {'p99':>8} {'pods/s':>7}  {'null p50':>9} {'p99':>8}  "
         f"{'vram p50':>9} {'p99':>8} {'pods/s':>7}  {'r50':>5} {'r99':>5} {'thr':>5}  "
-        f"{'decision p50/p99':>17}  writes/adm  conflicts",
+        f"{'decision p50/p99':>17}  writes/adm  conflicts  rebased",
     ]
     for level, r in report["levels"].items():
         b, n, v, d = r["baseline"], r["null_webhook"], r["vramshare"], r["webhook_decision"]
@@ -383,7 +385,8 @@ def summary(report: dict[str, Any]) -> str:
             f"{v['p50_ms']:>7.1f}ms {v['p99_ms']:>6.1f}ms {v['pods_per_s']:>7.1f}  "
             f"{r['ratio_p50']:>5.2f} {r['ratio_p99']:>5.2f} {r['throughput_ratio']:>5.2f}  "
             f"<={d['p50_ms_at_most']:>5.1f}/<={d['p99_ms_at_most']:>5.1f}ms  "
-            f"{r['api_writes_per_admission']!s:>10}  {r['conflicts_retried']:.0f}"
+            f"{r['api_writes_per_admission']!s:>10}  {r['conflicts_retried']:>9.0f}  "
+            f"{r.get('commits_rebased', 0):>7.0f}"
         )
         c, w = r["webhook_choose"], r["webhook_commit"]
         lines.append(

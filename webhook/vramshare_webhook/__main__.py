@@ -7,12 +7,14 @@ import datetime as dt
 import signal
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import structlog
 from aiohttp import web
 
 from vramshare import logs
+from vramshare.domain import has_room_for_its_bookings
 from vramshare.domain.scheduling import NodeView
 from vramshare.kube.client import Connection, KubeClient
 from vramshare.kube.ledger import KubeLedger
@@ -62,6 +64,10 @@ async def serve(settings: WebhookSettings) -> None:
             kube,
             on_write=lambda resource, verb: metrics.api_writes.labels(resource, verb).inc(),
             on_consistent_read=metrics.consistent_reads.inc,
+            has_room=lambda gpu, index: has_room_for_its_bookings(
+                gpu, index, accounting=settings.accounting, now=time.time()
+            ),
+            on_rebase=metrics.rebased_commits.inc,
         )
         tls, secret = await _certificates(settings, kube)
         # Namespaces choose queue mode and guardrails by label.

@@ -48,6 +48,13 @@ class WebhookMetrics:
         )
         self.conflicts = Counter(
             "vramshare_webhook_commit_conflicts",
-            "Reservation commits retried because the GPU's ledger changed meanwhile.",
+            "Reservation commits decided again: another commit on their GPU left no room, or it kept "
+            "changing.",
+            registry=self.registry,
+        )
+        self.rebased_commits = Counter(
+            "vramshare_webhook_commit_rebases",
+            "Commits that lost their race on a GPU to one that left room for them, and stood on the "
+            "newer ledger token without deciding again.",
             registry=self.registry,
         )

@@ -13,6 +13,7 @@ from vramshare.domain.allocation import (
     Policy,
     Refusal,
     choose,
+    has_room_for_its_bookings,
 )
 from vramshare.domain.bookings import LedgerIndex
 from vramshare.domain.fairness import (
@@ -84,6 +85,7 @@ __all__ = [
     "due_for_cleanup",
     "genuine_pod",
     "gpu_to_hold",
+    "has_room_for_its_bookings",
     "headroom",
     "is_unseen",
     "missing_mib",

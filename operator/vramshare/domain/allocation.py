@@ -157,6 +157,26 @@ def _judge(
     return verdict(None if room.headroom_mib >= request.mib else Exclusion.TOO_SMALL, room)
 
 
+def has_room_for_its_bookings(gpu: Gpu, index: LedgerIndex, *, accounting: Accounting, now: float) -> bool:
+    """Whether `gpu` has room for everything booked on it in `index`.
+
+    This lets a commit that lost its race on a GPU stand without deciding again (see
+    `KubeLedger._bump`): its own bookings are in `index` beside the winner's, and headroom falls by
+    exactly what is booked, so a fresh decision for them would have found room exactly when headroom
+    counting them is 0 or more. A GPU that a decision would pass over (missing, unhealthy, stale when
+    stale GPUs are refused) never qualifies: this is the decision's own judgement of `gpu`, for a
+    request of nothing more than what is booked."""
+    nothing_more = AllocationRequest(mib=0, namespace="", pod="")
+    verdict = _judge(
+        gpu,
+        nothing_more,
+        lambda g: index.booked(g, settle_s=accounting.settle_s),
+        settings=AllocationSettings(accounting=accounting),
+        now=now,
+    )
+    return verdict.fits
+
+
 def _gpu_order(gpu: Gpu) -> tuple[str, int, str]:
     return (gpu.node, gpu.index, gpu.uuid)
 

@@ -9,11 +9,15 @@ Commit protocol (optimistic concurrency, no lock held anywhere across processes)
    token from step 1 as a precondition and names the new reservation with its own resourceVersion
    (annotation `vramshare.io/last-reservation: <namespace>/<name>@<resourceVersion>`).
 5. If the token moved because another replica committed on that GPU (409 Conflict, and the device
-   names another last reservation), delete our reservation and start again. A 409 from a status
-   write alone (the controller recording a new sample) names the same last reservation: nothing was
-   committed meanwhile, so the bump is retried on the new resourceVersion. Otherwise label the
-   reservation committed (off the answer's path), so observers of the ledger can tell it from a
-   candidate that may still be withdrawn.
+   names another last reservation), wait until the reservation stream holds that commit, and check
+   the GPU again with every booking counted, ours and the winner's. If it still has room (with small
+   pods on large GPUs it nearly always has), the bump is retried on the new token: a fresh decision
+   would have found that same room, and deleting, re-deciding and re-creating would only lose the next
+   race too. If not, delete our reservation and start again. A 409 from a status write alone (the
+   controller recording a new sample) names the same last reservation: nothing was committed
+   meanwhile, so the bump is retried on the new resourceVersion. Otherwise label the reservation
+   committed (off the answer's path), so observers of the ledger can tell it from a candidate that
+   may still be withdrawn.
 
 Any commit on a GPU between our steps 1 and 4 moves its token and names a new reservation (names
 are unique), so two admissions can never both succeed on a view that misses the other.
@@ -103,6 +107,9 @@ class CommitConflictError(Exception):
 MAX_GROUP = 32
 """At most this many reservations share one bump of a GPU's token."""
 
+MAX_BUMPS = 8
+"""Tries of one bump: a status write or a commit that left room moves the token, and we follow it."""
+
 
 @dataclass(kw_only=True, eq=False)
 class _Pending:
@@ -140,12 +147,21 @@ class KubeLedger:
         clock: Callable[[], float] = time.monotonic,
         on_write: Callable[[str, str], None] = lambda resource, verb: None,
         on_consistent_read: Callable[[], None] = lambda: None,
+        has_room: Callable[[Gpu, LedgerIndex], bool] | None = None,
+        on_rebase: Callable[[], None] = lambda: None,
     ) -> None:
         self.kube = kube
         self.clock = clock
         self.on_write = on_write
         """Told of every write (resource, verb), so the webhook can count API writes per admission."""
         self.on_consistent_read = on_consistent_read
+        self.has_room = has_room
+        """Whether a GPU has room for everything booked on it in the index (the domain's
+        `has_room_for_its_bookings` with the deployment's accounting). With it, a commit that lost its
+        race to one that left room for it stands on the newer token (step 5 above); without it, every
+        lost race decides again."""
+        self.on_rebase = on_rebase
+        """Told of each commit that lost its race and stood on the newer token."""
         self.devices: WatchCache[GpuDevice] = WatchCache(
             kube, devices_path(), decode=GpuDevice.from_wire, name="gpudevices"
         )
@@ -474,7 +490,7 @@ class KubeLedger:
         newest = max((c for _, c in made), key=lambda c: int(c.meta.resource_version or 0))
         mark = f"{newest.key}@{newest.meta.resource_version}"
         try:
-            bumped = await self._bump(gpu_uuid, token=token, mark=mark)
+            bumped, token = await self._bump(gpu_uuid, token=token, mark=mark)
         except BaseException as exc:
             # The token moved, the GPU is gone, the API server failed, or we were cancelled: nobody
             # will be told of these bookings, so none may stand.
@@ -491,6 +507,8 @@ class KubeLedger:
         new_token = bumped["metadata"]["resourceVersion"]
         self._marks[new_token] = mark
         chain = self._successor.setdefault(gpu_uuid, {})
+        # From the token the bump moved, which is newer than the batch's own after a rebase: a decision
+        # made on the batch's token never saw the commit it was rebased over, so it must not follow.
         chain[token] = new_token
         if len(chain) > 256:  # decisions older than that many own commits conflict and decide again
             del chain[next(iter(chain))]
@@ -509,30 +527,53 @@ class KubeLedger:
         if len(self._marks) > 4096:
             del self._marks[next(iter(self._marks))]
 
-    async def _bump(self, gpu_uuid: str, *, token: str, mark: str) -> Obj:
-        """Move the GPU's token from `token`, naming the newest reservation (`mark`).
+    async def _bump(self, gpu_uuid: str, *, token: str, mark: str) -> tuple[Obj, str]:
+        """Move the GPU's token from `token`, naming the newest reservation (`mark`); returns the
+        patched device and the token it moved from.
 
         The token is the GpuDevice's resourceVersion, so the controller's status writes (new samples)
         move it too. A 409 is therefore checked: if the device still names the same last reservation
         as it did at `token`, no commit happened since, and the bump is retried on the new
-        resourceVersion instead of failing every commit in flight on that GPU."""
+        resourceVersion instead of failing every commit in flight on that GPU. If another commit
+        landed, the bump is retried on its token only where the GPU still has room with both counted
+        (`_room_after`); otherwise the 409 stands and the batch decides again."""
         path = devices_path(device_name(gpu_uuid))
-        for _ in range(5):
+        for _ in range(MAX_BUMPS):
             try:
                 self.on_write("gpudevices", "patch")
-                return await self.kube.merge_patch(
+                patched = await self.kube.merge_patch(
                     path, {"metadata": {"resourceVersion": token, "annotations": {ANNOTATION_LEDGER: mark}}}
                 )
+                return patched, token
             except ApiError as exc:
                 expected = self._marks.get(token)
-                if not exc.conflict or expected is None:
+                if not exc.conflict or (expected is None and self.has_room is None):
                     raise
                 current = GpuDevice.from_wire(await self.kube.get(path))
-                if current.meta.annotations.get(ANNOTATION_LEDGER, "") != expected:
-                    raise  # another commit landed on this GPU: decide again
+                landed = current.meta.annotations.get(ANNOTATION_LEDGER, "") != expected
+                if landed and not await self._room_after(current):
+                    raise  # another commit landed on this GPU and left no room for ours: decide again
+                if landed:
+                    self.on_rebase()
                 token = current.ledger_token
                 self._remember_mark(current)
         raise CommitConflictError(f"GPU {gpu_uuid} kept changing")
+
+    async def _room_after(self, device: GpuDevice) -> bool:
+        """Whether the GPU, as `device` shows it after another commit landed, still has room for every
+        booking on it, this process's in-flight ones included. Judged on the live view once it holds
+        that commit (the same wait as `snapshot`'s); False where that cannot be known quickly."""
+        if self.has_room is None or not self.live:
+            return False
+        needed = last_commit_version(device)
+        if needed < 0:
+            return False
+        if self.reservations.resource_version < needed and not await self.reservations.wait_for(
+            needed, timeout_s=CATCH_UP_TIMEOUT_S
+        ):
+            return False
+        gpu = device.to_domain()
+        return gpu is not None and self.has_room(gpu, self.index)
 
     def _fail(self, entry: _Pending, error: BaseException) -> None:
         self.reservations.drop(entry.key)

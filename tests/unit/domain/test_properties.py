@@ -13,12 +13,14 @@ from vramshare.domain import (
     Choice,
     Exclusion,
     Gpu,
+    LedgerIndex,
     Policy,
     Refusal,
     Reservation,
     ReservationPhase,
     StaleGpuMode,
     choose,
+    has_room_for_its_bookings,
     headroom,
 )
 
@@ -191,3 +193,35 @@ def test_admitting_one_after_another_never_overbooks_a_gpu(
         # Fresh metrics: nothing unseen may exceed the live free memory either.
         if booked and NOW - gpu.sampled_at <= config.accounting.max_sample_age_s:
             assert booked <= gpu.free_mib - config.accounting.safety_margin_mib
+
+
+@settings(max_examples=500)
+@given(
+    gpu=gpus(),
+    ledger=st.lists(reservations(), max_size=12, unique_by=lambda r: r.name),
+    mib=st.integers(1, 100_000),
+    config=allocation_settings,
+)
+def test_a_gpu_has_room_for_a_booking_exactly_when_a_decision_would_have_chosen_it(
+    gpu: Gpu, ledger: list[Reservation], mib: int, config: AllocationSettings
+) -> None:
+    """A commit that lost its race stands on the newer token only where `has_room_for_its_bookings`
+    says so; that is safe because it agrees with deciding afresh on the same ledger."""
+    request = AllocationRequest(mib=mib, namespace="ns", pod="p")
+    fresh = choose(request, [gpu], ledger, settings=config, now=NOW)
+    booking = Reservation(
+        name="the-booking",
+        namespace="ns",
+        pod="p",
+        mib=mib,
+        node=gpu.node,
+        gpu_uuid=gpu.uuid,
+        gpu_index=gpu.index,
+        phase=ReservationPhase.RESERVED,
+        reserved_at=NOW,
+    )
+    index = LedgerIndex()
+    for r in [*ledger, booking]:
+        index.put(r.name, r)
+    stands = has_room_for_its_bookings(gpu, index, accounting=config.accounting, now=NOW)
+    assert stands == isinstance(fresh, Choice)

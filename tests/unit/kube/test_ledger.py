@@ -10,8 +10,9 @@ from collections.abc import AsyncIterator
 import pytest
 import pytest_asyncio
 
-from tests.unit.domain.builders import gpu
+from tests.unit.domain.builders import NOW, gpu
 from tests.unit.fake_kube import FakeKube, add_idle_gpu
+from vramshare.domain import Accounting, has_room_for_its_bookings
 from vramshare.kube.client import ApiError
 from vramshare.kube.ledger import CommitConflictError, KubeLedger, Snapshot
 from vramshare.kube.objects import GpuReservation
@@ -27,8 +28,8 @@ async def cluster() -> FakeKube:
     return kube
 
 
-def booking(name: str = "task-1") -> GpuReservation:
-    return GpuReservation.new(name=name, namespace="jobs", pod="task", mib=4096, gpu=GPU, admission_uid="u1")
+def booking(name: str = "task-1", mib: int = 4096) -> GpuReservation:
+    return GpuReservation.new(name=name, namespace="jobs", pod="task", mib=mib, gpu=GPU, admission_uid="u1")
 
 
 def reservations(kube: FakeKube) -> list[str]:
@@ -49,11 +50,33 @@ def lists(kube: FakeKube) -> int:
 async def running() -> AsyncIterator[tuple[FakeKube, KubeLedger]]:
     """A ledger whose watch caches are fed from the fake API server."""
     kube = await cluster()
-    ledger = KubeLedger(kube)  # type: ignore[arg-type]
+    async with fed(KubeLedger(kube)) as ledger:  # type: ignore[arg-type]
+        yield kube, ledger
+
+
+@pytest_asyncio.fixture(loop_scope="function")
+async def rebasing() -> AsyncIterator[tuple[FakeKube, KubeLedger, list[str]]]:
+    """As `running`, with the webhook's room check (no safety margin: the GPU holds 16384 MiB of
+    bookings); the list records each commit that stood on a newer token."""
+    kube = await cluster()
+    rebases: list[str] = []
+    ledger = KubeLedger(
+        kube,  # type: ignore[arg-type]
+        has_room=lambda g, index: has_room_for_its_bookings(
+            g, index, accounting=Accounting(safety_margin_mib=0), now=NOW
+        ),
+        on_rebase=lambda: rebases.append("rebased"),
+    )
+    async with fed(ledger):
+        yield kube, ledger, rebases
+
+
+@contextlib.asynccontextmanager
+async def fed(ledger: KubeLedger) -> AsyncIterator[KubeLedger]:
     task = asyncio.create_task(ledger.run())
     await asyncio.wait_for(ledger.devices.synced.wait(), 2)
     await asyncio.wait_for(ledger.reservations.synced.wait(), 2)
-    yield kube, ledger
+    yield ledger
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task
@@ -300,3 +323,62 @@ async def test_a_new_sample_does_not_fail_a_commit(running: tuple[FakeKube, Kube
         f"jobs/task-1@{created.meta.resource_version}"
     )
     assert len(reservations(kube)) == 1
+
+
+async def commit_elsewhere(kube: FakeKube, name: str, mib: int) -> None:
+    """Another replica's commit on the GPU: its reservation, then the token naming it."""
+    created = await kube.create(reservations_path("jobs"), booking(name, mib).to_wire())
+    mark = f"jobs/{name}@{created['metadata']['resourceVersion']}"
+    await kube.merge_patch(DEVICE, {"metadata": {"annotations": {ANNOTATION_LEDGER: mark}}})
+
+
+def deletes(kube: FakeKube) -> int:
+    return sum(op == "delete" for op, _ in kube.calls)
+
+
+async def test_a_commit_that_lost_its_race_stands_where_the_gpu_still_has_room(
+    rebasing: tuple[FakeKube, KubeLedger, list[str]],
+) -> None:
+    kube, ledger, rebases = rebasing
+    token = (await ledger.snapshot()).tokens[GPU.uuid]
+    await commit_elsewhere(kube, "theirs", 8192)  # the winner: 8192 + our 4096 still fit in 16384
+    mine = await ledger.commit(reservation=booking("mine"), token=token, live=True)
+    await settle()
+    assert sorted(p.rsplit("/", 1)[1] for p in reservations(kube)) == ["mine", "theirs"]
+    assert deletes(kube) == 0  # not withdrawn and made again
+    assert rebases == ["rebased"]
+    assert kube.objects[DEVICE]["metadata"]["annotations"][ANNOTATION_LEDGER] == (
+        f"jobs/mine@{mine.meta.resource_version}"
+    )
+
+
+async def test_a_commit_that_lost_its_race_to_a_fuller_gpu_decides_again(
+    rebasing: tuple[FakeKube, KubeLedger, list[str]],
+) -> None:
+    kube, ledger, rebases = rebasing
+    token = (await ledger.snapshot()).tokens[GPU.uuid]
+    await commit_elsewhere(kube, "theirs", 12_800)  # 12800 + 4096 > 16384
+    with pytest.raises(CommitConflictError):
+        await ledger.commit(reservation=booking("mine"), token=token, live=True)
+    await settle()
+    assert [p.rsplit("/", 1)[1] for p in reservations(kube)] == ["theirs"]
+    assert rebases == []
+    assert names(await ledger.snapshot()) == {"theirs"}
+
+
+async def test_a_decision_made_before_a_rebase_does_not_ride_on_it(
+    rebasing: tuple[FakeKube, KubeLedger, list[str]],
+) -> None:
+    """Our later commits follow our own earlier ones on a GPU (their views held them). A commit that
+    stood on another replica's token is followed only by decisions that saw that token: one made on
+    the older token never counted the other replica's booking, so it is checked again, and here the
+    GPU has no room left for it."""
+    kube, ledger, rebases = rebasing
+    token = (await ledger.snapshot()).tokens[GPU.uuid]
+    await commit_elsewhere(kube, "theirs", 8192)
+    await ledger.commit(reservation=booking("first"), token=token, live=True)  # stands: 12288
+    with pytest.raises(CommitConflictError):  # 8192 + 4096 + 5000 > 16384
+        await ledger.commit(reservation=booking("second", 5000), token=token, live=True)
+    await settle()
+    assert sorted(p.rsplit("/", 1)[1] for p in reservations(kube)) == ["first", "theirs"]
+    assert rebases == ["rebased"]

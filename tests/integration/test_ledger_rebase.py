@@ -1,0 +1,122 @@
+"""Two webhook replicas' ledgers racing on one GPU against the real API server: a commit that lost
+its race stands on the winner's token when the GPU still has room for both (no delete, no new
+decision), and decides again when it has not. The chain of one replica's own commits never lets a
+decision made before the other replica's commit ride on it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+import pytest_asyncio
+
+from vramshare.domain import Accounting, has_room_for_its_bookings
+from vramshare.kube.client import Connection, KubeClient
+from vramshare.kube.ledger import CommitConflictError, KubeLedger
+from vramshare.kube.objects import DeviceSpec, DeviceStatus, GpuDevice, GpuReservation
+from vramshare.kube.resources import ANNOTATION_LEDGER, device_name, devices_path, reservations_path
+from vramshare_e2e.cluster import LocalCluster
+
+pytestmark = pytest.mark.cluster
+
+UUID = "GPU-ledger-rebase-0001"
+TOTAL_MIB = 16_384
+NO_MARGIN = Accounting(safety_margin_mib=0)
+
+
+@pytest_asyncio.fixture(loop_scope="function")
+async def kube(cluster: LocalCluster) -> AsyncIterator[KubeClient]:
+    async with KubeClient(Connection.load(kubeconfig=str(cluster.kubeconfig))) as client:
+        yield client
+
+
+@pytest_asyncio.fixture(loop_scope="function")
+async def gpu_device(kube: KubeClient) -> AsyncIterator[GpuDevice]:
+    """An idle 16 GiB GPU, sampled now (no controller runs here to sample it again)."""
+    spec = DeviceSpec(uuid=UUID, node_name="gpu-node-a", index=5, model="NVIDIA A100")
+    await kube.create(devices_path(), GpuDevice.new(spec).to_wire())
+    now = time.time()
+    status = DeviceStatus(
+        total_mib=TOTAL_MIB,
+        used_mib=0,
+        free_mib=TOTAL_MIB,
+        driver_reserved_mib=0,
+        reserved_mib=0,
+        headroom_mib=TOTAL_MIB,
+        sampled_at=now,
+        last_seen_at=now,
+        state="Ready",
+    )
+    path = devices_path(device_name(UUID))
+    sampled = await kube.merge_patch(f"{path}/status", {"status": status.to_wire()})
+    yield GpuDevice.from_wire(sampled)
+    await kube.delete(path)
+
+
+@contextlib.asynccontextmanager
+async def replica(kube: KubeClient, rebases: list[str], name: str) -> AsyncIterator[KubeLedger]:
+    """One webhook replica's ledger, fed by its own watches, with the webhook's room check."""
+    ledger = KubeLedger(
+        kube,
+        has_room=lambda gpu, index: has_room_for_its_bookings(
+            gpu, index, accounting=NO_MARGIN, now=time.time()
+        ),
+        on_rebase=lambda: rebases.append(name),
+    )
+    task = asyncio.create_task(ledger.run())
+    try:
+        await asyncio.wait_for(ledger.devices.synced.wait(), 10)
+        await asyncio.wait_for(ledger.reservations.synced.wait(), 10)
+        yield ledger
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+def booking(device: GpuDevice, namespace: str, name: str, mib: int) -> GpuReservation:
+    gpu = device.to_domain()
+    assert gpu is not None
+    return GpuReservation.new(name=name, namespace=namespace, pod=name, mib=mib, gpu=gpu, admission_uid=name)
+
+
+async def booked(kube: KubeClient, namespace: str) -> dict[str, int]:
+    items = (await kube.list(reservations_path(namespace)))["items"]
+    return {o["metadata"]["name"]: o["spec"]["memoryMiB"] for o in items}
+
+
+async def test_replicas_racing_on_one_gpu_both_stand_while_it_has_room_and_never_overbook(
+    kube: KubeClient, gpu_device: GpuDevice, namespace: str
+) -> None:
+    rebases: list[str] = []
+    async with replica(kube, rebases, "a") as a, replica(kube, rebases, "b") as b:
+        token_a = (await a.snapshot()).tokens[UUID]
+        token_b = (await b.snapshot()).tokens[UUID]
+        assert token_a == token_b  # both decide on the same view of the GPU
+        # Both commit at once on that token: one wins the bump, the other finds room for both.
+        first_a, first_b = await asyncio.gather(
+            a.commit(reservation=booking(gpu_device, namespace, "a-1", 6000), token=token_a, live=True),
+            b.commit(reservation=booking(gpu_device, namespace, "b-1", 6000), token=token_b, live=True),
+        )
+        assert len(rebases) == 1, rebases
+        assert await booked(kube, namespace) == {"a-1": 6000, "b-1": 6000}
+        device = await kube.get(devices_path(device_name(UUID)))
+        lost, loser = (first_b, b) if rebases == ["b"] else (first_a, a)
+        assert device["metadata"]["annotations"][ANNOTATION_LEDGER] == (
+            f"{namespace}/{lost.name}@{lost.meta.resource_version}"
+        )
+        # Another booking decided on the loser's first view never saw the winner's, so it does not
+        # follow the loser's own commit chain past it: it is checked again, and 3 x 6000 is too much.
+        with pytest.raises(CommitConflictError):
+            await loser.commit(
+                reservation=booking(gpu_device, namespace, "late", 6000), token=token_a, live=True
+            )
+        assert await booked(kube, namespace) == {"a-1": 6000, "b-1": 6000}
+        assert len(rebases) == 1
+        # Decided again on a current view, a booking that fits commits at once.
+        fresh = (await loser.snapshot()).tokens[UUID]
+        await loser.commit(reservation=booking(gpu_device, namespace, "fits", 4000), token=fresh, live=True)
+        assert sum((await booked(kube, namespace)).values()) == 16_000 <= TOTAL_MIB
