@@ -8,16 +8,17 @@ Commit protocol (optimistic concurrency, no lock held anywhere across processes)
 4. Create the GpuReservation, then bump the chosen GPU's token with a merge patch that carries the
    token from step 1 as a precondition and names the new reservation with its own resourceVersion
    (annotation `vramshare.io/last-reservation: <namespace>/<name>@<resourceVersion>`).
-5. If the token moved because another replica committed on that GPU (409 Conflict, and the device
-   names another last reservation), wait until the reservation stream holds that commit, and check
-   the GPU again with every booking counted, ours and the winner's. If it still has room (with small
-   pods on large GPUs it nearly always has), the bump is retried on the new token: a fresh decision
-   would have found that same room, and deleting, re-deciding and re-creating would only lose the next
-   race too. If not, delete our reservation and start again. A 409 from a status write alone (the
-   controller recording a new sample) names the same last reservation: nothing was committed
-   meanwhile, so the bump is retried on the new resourceVersion. Otherwise label the reservation
-   committed (off the answer's path), so observers of the ledger can tell it from a candidate that
-   may still be withdrawn.
+5. If the token moved because another replica committed on that GPU (409 Conflict, and the device names
+   another last reservation), wait until the reservation stream holds that commit, and check the GPU
+   again with every booking counted, ours and the winner's. If it still has room (with small pods on
+   large GPUs it nearly always has), the bump is retried on the new token: a fresh decision would have
+   found that same room, and deleting, re-deciding and re-creating would only lose the next race too.
+   Ours may have been created before the winner's, so that bump names the larger of the two
+   resourceVersions: the token must still cover every booking on the GPU. If not, delete our
+   reservation and start again. A 409 from a status write alone (the controller recording a new sample)
+   names the same last reservation: nothing was committed meanwhile, so the bump is retried on the new
+   resourceVersion. Otherwise label the reservation committed (off the answer's path), so observers of
+   the ledger can tell it from a candidate that may still be withdrawn.
 
 Any commit on a GPU between our steps 1 and 4 moves its token and names a new reservation (names
 are unique), so two admissions can never both succeed on a view that misses the other.
@@ -25,9 +26,10 @@ are unique), so two admissions can never both succeed on a view that misses the 
 **Where the view comes from.** Each replica keeps GpuDevices and active GpuReservations in memory,
 fed by LIST+WATCH (`WatchCache`), and decides from that: no LIST per request. The view used for a
 decision is complete for every GPU's token: successful commits on one GPU are chained through its
-token, so their reservations were created in commit order, and the token names the last one with
-its creation resourceVersion R. Once the reservation stream has passed R, it holds that reservation
-and every one committed on the GPU before it. `snapshot()` waits (briefly) for the stream to pass
+token, and the token names the last one with a resourceVersion R at or after the creation of every
+reservation committed on the GPU so far (its own creation version, or the one the commit it was
+rebased over named, whichever is later). Once the reservation stream has passed R, it holds that
+reservation and every one committed on the GPU before it. `snapshot()` waits (briefly) for the stream to pass
 every GPU's R before it hands out a view; a GPU whose token moved only by this process's own commits
 needs no wait, since those reservations are put into the view the moment they are decided. The
 reservation stream may be ahead of the device stream; that only adds reservations a decision counts.
@@ -505,7 +507,7 @@ class KubeLedger:
                 raise  # this GPU's committer is being shut down
             return
         new_token = bumped["metadata"]["resourceVersion"]
-        self._marks[new_token] = mark
+        self._marks[new_token] = bumped["metadata"]["annotations"][ANNOTATION_LEDGER]
         chain = self._successor.setdefault(gpu_uuid, {})
         # From the token the bump moved, which is newer than the batch's own after a rebase: a decision
         # made on the batch's token never saw the commit it was rebased over, so it must not follow.
@@ -528,8 +530,8 @@ class KubeLedger:
             del self._marks[next(iter(self._marks))]
 
     async def _bump(self, gpu_uuid: str, *, token: str, mark: str) -> tuple[Obj, str]:
-        """Move the GPU's token from `token`, naming the newest reservation (`mark`); returns the
-        patched device and the token it moved from.
+        """Move the GPU's token from `token`, naming the newest reservation (`mark`, whose version a
+        rebase raises to the winner's); returns the patched device and the token it moved from.
 
         The token is the GpuDevice's resourceVersion, so the controller's status writes (new samples)
         move it too. A 409 is therefore checked: if the device still names the same last reservation
@@ -538,12 +540,15 @@ class KubeLedger:
         landed, the bump is retried on its token only where the GPU still has room with both counted
         (`_room_after`); otherwise the 409 stands and the batch decides again."""
         path = devices_path(device_name(gpu_uuid))
+        rebased = False
         for _ in range(MAX_BUMPS):
             try:
                 self.on_write("gpudevices", "patch")
                 patched = await self.kube.merge_patch(
                     path, {"metadata": {"resourceVersion": token, "annotations": {ANNOTATION_LEDGER: mark}}}
                 )
+                if rebased:
+                    self.on_rebase()
                 return patched, token
             except ApiError as exc:
                 expected = self._marks.get(token)
@@ -551,10 +556,14 @@ class KubeLedger:
                     raise
                 current = GpuDevice.from_wire(await self.kube.get(path))
                 landed = current.meta.annotations.get(ANNOTATION_LEDGER, "") != expected
-                if landed and not await self._room_after(current):
-                    raise  # another commit landed on this GPU and left no room for ours: decide again
                 if landed:
-                    self.on_rebase()
+                    if not await self._room_after(current):
+                        raise  # another commit landed on this GPU and left no room for ours: decide again
+                    # Ours may have been created before the winner's: the mark must still cover every
+                    # booking on the GPU, or a view that waits for it could miss the winner's.
+                    name, _, version = mark.rpartition("@")
+                    mark = f"{name}@{max(int(version), last_commit_version(current))}"
+                    rebased = True
                 token = current.ledger_token
                 self._remember_mark(current)
         raise CommitConflictError(f"GPU {gpu_uuid} kept changing")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 import pytest_asyncio
@@ -14,8 +15,8 @@ from tests.unit.domain.builders import NOW, gpu
 from tests.unit.fake_kube import FakeKube, add_idle_gpu
 from vramshare.domain import Accounting, has_room_for_its_bookings
 from vramshare.kube.client import ApiError
-from vramshare.kube.ledger import CommitConflictError, KubeLedger, Snapshot
-from vramshare.kube.objects import GpuReservation
+from vramshare.kube.ledger import CommitConflictError, KubeLedger, Snapshot, last_commit_version
+from vramshare.kube.objects import GpuDevice, GpuReservation
 from vramshare.kube.resources import ANNOTATION_LEDGER, LABEL_COMMITTED, devices_path, reservations_path
 
 GPU = gpu("GPU-a", total=16_384)
@@ -381,4 +382,28 @@ async def test_a_decision_made_before_a_rebase_does_not_ride_on_it(
         await ledger.commit(reservation=booking("second", 5000), token=token, live=True)
     await settle()
     assert sorted(p.rsplit("/", 1)[1] for p in reservations(kube)) == ["first", "theirs"]
+    assert rebases == ["rebased"]
+
+
+async def test_a_commit_that_stood_over_a_newer_booking_names_a_version_covering_it(
+    rebasing: tuple[FakeKube, KubeLedger, list[str]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ours is created first, the other replica's commit lands before our bump: the token we leave
+    must still make a view wait for the other's booking, which is newer than ours."""
+    kube, ledger, rebases = rebasing
+    token = (await ledger.snapshot()).tokens[GPU.uuid]
+    patch = kube.merge_patch
+
+    async def other_replica_first(path: str, body: dict[str, Any]) -> dict[str, Any]:
+        if path == DEVICE and not rebases and "theirs" not in str(kube.objects):
+            await commit_elsewhere(kube, "theirs", 4096)
+        return await patch(path, body)
+
+    monkeypatch.setattr(kube, "merge_patch", other_replica_first)
+    mine = await ledger.commit(reservation=booking("mine"), token=token, live=True)
+    theirs = kube.objects[f"{reservations_path('jobs')}/theirs"]
+    assert int(theirs["metadata"]["resourceVersion"]) > int(mine.meta.resource_version)
+    device = GpuDevice.from_wire(kube.objects[DEVICE])
+    assert device.meta.annotations[ANNOTATION_LEDGER].startswith("jobs/mine@")
+    assert last_commit_version(device) >= int(theirs["metadata"]["resourceVersion"])
     assert rebases == ["rebased"]
