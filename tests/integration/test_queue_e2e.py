@@ -18,7 +18,13 @@ import pytest
 from kubernetes import client, config
 
 from vramshare.kube.pods import QUEUE_GATE
-from vramshare.kube.resources import ANNOTATION_GPU_UUID, ANNOTATION_RESERVATION
+from vramshare.kube.resources import (
+    ANNOTATION_GPU_UUID,
+    ANNOTATION_RESERVATION,
+    LABEL_COMMITTED,
+    LABEL_GPU,
+    device_name,
+)
 from vramshare_e2e.admission_parts import SIDECAR, start_mutating_webhook
 from vramshare_e2e.cluster import RUN_DURATION_ANNOTATION, LocalCluster, eventually
 from vramshare_e2e.components import start_controller, start_webhook, webhook_configuration
@@ -323,6 +329,45 @@ def test_fifty_queued_pods_over_a_controller_failover_are_placed_once_without_ov
     for uuid, mib in worst.items():
         assert mib <= caps[uuid], f"{uuid} booked {mib} MiB of {caps[uuid]}"
     print(f"\npeak bookings per GPU: {dict(worst)} (capacity {caps})")
+
+
+def test_a_placement_nobody_committed_goes_back_to_the_queue_and_the_gate_stays(
+    stack: LocalCluster, core: client.CoreV1Api
+) -> None:
+    """What a leader leaves behind when it stops between writing a placement and moving the GPU's
+    token (killed, or its commit lost and could not be withdrawn): the placement was never checked
+    against the ledger, so the leader that finds it must not lift the pod's gate on it."""
+    fill_every_gpu(stack, used=True)
+    eventually(lambda: refused_now(core), what="GPUs seen full", timeout_s=30)
+    pod = core.create_namespaced_pod(NS, gpu_pod("half-placed", 4096, run="3s"))
+    entry = pod.metadata.annotations[ANNOTATION_RESERVATION]
+    eventually(
+        lambda: (r := reservations(stack).get(entry)) and phase(r) == "Queued" and r["status"].get("podUID"),
+        what="the entry Queued with its pod",
+    )
+    node, gpu = stack.settings.fleet.all_gpus()[0]
+    placement = {
+        "metadata": {"labels": {LABEL_GPU: device_name(gpu.uuid), LABEL_COMMITTED: "false"}},
+        "spec": {"gpuUUID": gpu.uuid, "nodeName": node.name, "gpuIndex": gpu.index},
+    }
+    stack.kubectl("patch", "gpures", entry, "-n", NS, "--type=merge", "-p", json.dumps(placement))
+    eventually(
+        lambda: "gpuUUID" not in reservations(stack)[entry]["spec"],
+        what="the uncommitted placement taken back",
+        timeout_s=15,
+    )
+    assert QUEUE_GATE in gates(core, "half-placed")
+    # Once memory frees, it is placed through the commit like any other entry, and only then released.
+    fill_every_gpu(stack, used=False)
+    placed = eventually(
+        lambda: not gates(core, "half-placed") and core.read_namespaced_pod("half-placed", NS),
+        what="the gate lifted",
+        timeout_s=30,
+    )
+    booked = reservations(stack)[entry]
+    assert booked["spec"]["gpuUUID"] == placed.metadata.annotations[ANNOTATION_GPU_UUID]
+    assert booked["metadata"]["labels"][LABEL_COMMITTED] == "true"
+    core.delete_namespaced_pod("half-placed", NS)
 
 
 def test_a_queued_pod_that_a_quota_rejects_leaves_an_entry_that_expires(

@@ -4,8 +4,11 @@ A queued pod was admitted behind the scheduling gate `vramshare.io/gpu-memory` w
 GpuReservation (no GPU). On every pass, woken by a pod or reservation change or every
 `queue_interval_s`, the leader:
 
-1. lifts the gate of every pod whose entry is placed but whose pod still waits (a pass that placed it
-   and then stopped, e.g. a failover in between, is finished by the next leader);
+1. lifts the gate of every pod whose entry is placed and committed but whose pod still waits (a pass
+   that placed it and then stopped, e.g. a failover in between, is finished by the next leader). A
+   placement that is not labelled committed was written by a leader that stopped before its commit
+   was known to hold (or whose commit failed and could not be withdrawn): nobody vouches for it, so
+   it goes back to the queue and is placed again through the commit;
 2. plans the queue with the pure `plan_queue` (oldest first, backfill, a bounded hold for the head)
    over the ledger's view, and places each pod through the ledger's commit (the same protocol and
    conflict handling as an admission), then writes the GPU into its annotations, pins it to the
@@ -70,6 +73,8 @@ class QueueLoop:
         self.clock = clock
         self.hold: Hold | None = None
         self._wake = asyncio.Event()
+        self._placed: set[str] = set()
+        """Entries this leader placed: committed, whether or not the state's cache shows the label."""
 
     def wake(self) -> None:
         """Something changed (a pod ended, a reservation was released or queued): plan again now."""
@@ -96,8 +101,14 @@ class QueueLoop:
         for res in entries:
             if res.spec.placed and res.phase.is_active and res.status.pod_uid:
                 pod = self._pod_of(res, pods)
-                if pod is not None and gated(pod):
+                if pod is None or not gated(pod):
+                    continue
+                if res.committed or res.key in self._placed:
                     await self._release(res, pod)
+                elif await self.ledger.unplace(res):
+                    log.warning("placement not known to be committed; back in the queue", reservation=res.key)
+        # Forget own placements once the cache shows them labelled, or gone.
+        self._placed &= {res.key for res in entries if not res.committed}
         queued: dict[str, tuple[GpuReservation, Obj]] = {}
         for res in entries:
             if res.phase is not ReservationPhase.QUEUED or not res.status.pod_uid:
@@ -156,6 +167,7 @@ class QueueLoop:
                     continue
                 raise
             placed += 1
+            self._placed.add(res.key)
             self.metrics.queue_placements.inc()
             self.metrics.queue_wait.observe(max(0.0, now - w.queued_at))
             log.info(

@@ -359,8 +359,20 @@ class KubeLedger:
     ) -> GpuReservation:
         """Book `gpu` for a queue entry through the same commit as an admission: its placement is
         written (with the entry's resourceVersion as a precondition, so two controllers cannot both
-        place it), then the GPU's token is bumped naming it; `CommitConflictError` when either moved."""
-        return await self.commit(reservation=entry.placed_on(gpu), token=token, live=live, places=True)
+        place it), then the GPU's token is bumped naming it; `CommitConflictError` when either moved.
+
+        Returns once the placement is labelled committed: that label is what lets a later leader lift
+        the pod's gate (see `vramshare.controller.queue`). A placement that committed stands even if
+        the caller gives up meanwhile (its leadership ended): its pod exists and waits behind its gate,
+        and the next leader lifts it."""
+        placed = await self.commit(reservation=entry.placed_on(gpu), token=token, live=live, places=True)
+        await asyncio.shield(self._later(self._label_committed(placed)))
+        return placed
+
+    async def unplace(self, entry: GpuReservation) -> bool:
+        """Take a placed queue entry back to the queue, unless it changed since `entry` was read (a
+        leader still committing it labels it, or placed it anew); False then."""
+        return await self._withdraw(entry, unplace=True)
 
     async def commit(
         self, *, reservation: GpuReservation, token: str, live: bool = False, places: bool = False
@@ -400,15 +412,19 @@ class KubeLedger:
                 queue.remove(entry)
                 self.reservations.drop(key)
             elif entry.done.done() and not entry.done.cancelled() and entry.done.exception() is None:
-                self._later(self._abandon(entry.done.result(), key, unplace=places))
+                if places:  # a committed placement stands (see `place`)
+                    self._later(self._label_committed(entry.done.result()))
+                else:
+                    self._later(self._abandon(entry.done.result(), key))
             else:
                 entry.abandoned = True
             raise
 
-    def _later(self, coroutine: Coroutine[Any, Any, None]) -> None:
+    def _later(self, coroutine: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
         task = asyncio.get_running_loop().create_task(coroutine)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+        return task
 
     def decided(self, reservation: GpuReservation) -> None:
         """Put a booking into this process's view now, before any await: `commit` does it for one
@@ -426,9 +442,9 @@ class KubeLedger:
         """Take back a committed booking nobody will use (the rest of its pod's set lost its race)."""
         await self._abandon(created, _reservation_key(created.namespace, created.name))
 
-    async def _abandon(self, created: GpuReservation, key: str, *, unplace: bool = False) -> None:
+    async def _abandon(self, created: GpuReservation, key: str) -> None:
         self.reservations.drop(key)
-        await self._withdraw(created, unplace=unplace)
+        await self._withdraw(created)
 
     def _head(self, gpu_uuid: str, token: str) -> str:
         chain = self._successor.get(gpu_uuid, {})
@@ -517,11 +533,12 @@ class KubeLedger:
         self._own_tokens[gpu_uuid] = new_token
         self.devices.put(f"/{device_name(gpu_uuid)}", GpuDevice.from_wire(bumped))
         for entry, created in made:
-            if entry.abandoned:
-                self._later(self._abandon(created, entry.key, unplace=entry.places))
+            if entry.abandoned and not entry.places:
+                self._later(self._abandon(created, entry.key))
                 continue
             self.reservations.put(entry.key, created.to_domain())
-            self._later(self._label_committed(created))
+            if not entry.places or entry.abandoned:  # `place` labels its own before it returns
+                self._later(self._label_committed(created))
             entry.done.set_result(created)
 
     def _remember_mark(self, device: GpuDevice) -> None:
@@ -603,25 +620,31 @@ class KubeLedger:
         except (ApiError, OSError, TimeoutError) as exc:  # the booking stands either way; only its label lags
             log.warning("reservation committed but not labelled", reservation=created.key, error=str(exc))
 
-    async def _withdraw(self, created: GpuReservation, *, unplace: bool = False) -> None:
+    async def _withdraw(self, created: GpuReservation, *, unplace: bool = False) -> bool:
         """Delete a booking nobody will use, within a few seconds; one that cannot be deleted (the API
         server is what made us late) expires with the reservation TTL instead. A placed queue entry
-        goes back to the queue: its placement is removed."""
+        goes back to the queue: its placement is removed, only as `created` left it (another leader
+        may have taken the entry over since, and its pod may run on that placement). True when done."""
         path = reservations_path(created.namespace, created.name)
         try:
             if unplace:
                 self.on_write("gpureservations", "patch")
                 unplaced = {"nodeName": None, "gpuUUID": None, "gpuIndex": None}
                 labels = {LABEL_GPU: None, LABEL_COMMITTED: None}
+                meta = {"resourceVersion": created.meta.resource_version, "labels": labels}
                 await asyncio.wait_for(
-                    self.kube.merge_patch(path, {"metadata": {"labels": labels}, "spec": unplaced}),
-                    WITHDRAW_TIMEOUT_S,
+                    self.kube.merge_patch(path, {"metadata": meta, "spec": unplaced}), WITHDRAW_TIMEOUT_S
                 )
-                return
+                log.info("placement withdrawn; the entry is back in the queue", reservation=created.key)
+                return True
             self.on_write("gpureservations", "delete")
             await asyncio.wait_for(self.kube.delete(path), WITHDRAW_TIMEOUT_S)
+            return True
         except ApiError as exc:
-            if not exc.not_found:
+            if unplace and exc.conflict:
+                log.info("placement not withdrawn: the entry changed meanwhile", reservation=created.key)
+            elif not exc.not_found:
                 log.warning("booking not withdrawn; it expires", reservation=created.key, error=str(exc))
         except (TimeoutError, OSError) as exc:
             log.warning("booking not withdrawn; it expires", reservation=created.key, error=repr(exc))
+        return False

@@ -308,6 +308,11 @@ class GpuReservation:
         return recorded
 
     @property
+    def committed(self) -> bool:
+        """Labelled committed: its GPU's token was moved naming it (see vramshare.kube.ledger)."""
+        return self.meta.labels.get(LABEL_COMMITTED) == "true"
+
+    @property
     def pod_label(self) -> str:
         """The value of its pod's label vramshare.io/reservation: its own name, or for one of the
         bookings of a pod with several GPUs, the name of the set."""

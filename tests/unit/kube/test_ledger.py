@@ -407,3 +407,59 @@ async def test_a_commit_that_stood_over_a_newer_booking_names_a_version_covering
     assert device.meta.annotations[ANNOTATION_LEDGER].startswith("jobs/mine@")
     assert last_commit_version(device) >= int(theirs["metadata"]["resourceVersion"])
     assert rebases == ["rebased"]
+
+
+async def queue_entry(kube: FakeKube, name: str = "waiting") -> GpuReservation:
+    entry = GpuReservation.queued(name=name, namespace="jobs", pod=name, mib=4096, admission_uid="u1")
+    return GpuReservation.from_wire(await kube.create(reservations_path("jobs"), entry.to_wire()))
+
+
+async def test_a_placement_whose_caller_gives_up_after_its_commit_stands_and_is_labelled(
+    running: tuple[FakeKube, KubeLedger], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A leader whose term ends (its loops cancelled) just after the GPU's token moved: the placement
+    is committed and its pod waits gated, so it stands for the next leader to release."""
+    kube, ledger = running
+    entry = await queue_entry(kube)
+    token = (await ledger.snapshot()).tokens[GPU.uuid]
+    patch = kube.merge_patch
+    caller: list[asyncio.Task[GpuReservation]] = []
+
+    async def term_ends_after_the_bump(path: str, body: dict[str, Any]) -> dict[str, Any]:
+        result = await patch(path, body)
+        if path == DEVICE:
+            caller[0].cancel()
+        return result
+
+    monkeypatch.setattr(kube, "merge_patch", term_ends_after_the_bump)
+    caller.append(asyncio.create_task(ledger.place(entry=entry, gpu=GPU, token=token, live=True)))
+    with pytest.raises(asyncio.CancelledError):
+        await caller[0]
+    await settle()
+    stored = kube.objects[f"{reservations_path('jobs')}/waiting"]
+    assert stored["spec"]["gpuUUID"] == GPU.uuid
+    assert stored["metadata"]["labels"][LABEL_COMMITTED] == "true"
+
+
+async def test_a_lost_placement_is_not_withdrawn_over_a_change_made_since(
+    running: tuple[FakeKube, KubeLedger], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The placement's commit loses its race, but another leader took the entry over meanwhile: the
+    withdrawal carries the placement's own resourceVersion, so it cannot undo that leader's work."""
+    kube, ledger = running
+    entry = await queue_entry(kube)
+    token = (await ledger.snapshot()).tokens[GPU.uuid]
+    patch = kube.merge_patch
+    path = f"{reservations_path('jobs')}/waiting"
+
+    async def another_leader_first(target: str, body: dict[str, Any]) -> dict[str, Any]:
+        if target == DEVICE and "theirs" not in str(kube.objects):
+            await patch(path, {"metadata": {"labels": {LABEL_COMMITTED: "true"}}})
+            await commit_elsewhere(kube, "theirs", 4096)
+        return await patch(target, body)
+
+    monkeypatch.setattr(kube, "merge_patch", another_leader_first)
+    with pytest.raises(CommitConflictError):
+        await ledger.place(entry=entry, gpu=GPU, token=token, live=True)
+    assert kube.objects[path]["spec"]["gpuUUID"] == GPU.uuid
+    assert kube.objects[path]["metadata"]["labels"][LABEL_COMMITTED] == "true"
