@@ -351,9 +351,12 @@ def test_a_placement_nobody_committed_goes_back_to_the_queue_and_the_gate_stays(
         "spec": {"gpuUUID": gpu.uuid, "nodeName": node.name, "gpuIndex": gpu.index},
     }
     stack.kubectl("patch", "gpures", entry, "-n", NS, "--type=merge", "-p", json.dumps(placement))
+    # As the reconciler records it once it sees the placed entry's (gated) pod.
+    bound = json.dumps({"status": {"phase": "Bound"}})
+    stack.kubectl("patch", "gpures", entry, "-n", NS, "--subresource=status", "--type=merge", "-p", bound)
     eventually(
-        lambda: "gpuUUID" not in reservations(stack)[entry]["spec"],
-        what="the uncommitted placement taken back",
+        lambda: (r := reservations(stack)[entry]) and "gpuUUID" not in r["spec"] and phase(r) == "Queued",
+        what="the uncommitted placement taken back, and the entry Queued again",
         timeout_s=15,
     )
     assert QUEUE_GATE in gates(core, "half-placed")

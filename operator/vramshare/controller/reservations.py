@@ -146,8 +146,10 @@ def plan(
 ) -> Plan:
     current = res.status
     status = current
-    if current.phase is None:
-        status = replace(status, phase=res.phase)  # make the implicit Reserved visible to kubectl
+    if current.phase is not res.phase:
+        # Make the implicit phase visible to kubectl: Reserved when just committed or placed, Queued
+        # again when a placement was withdrawn.
+        status = replace(status, phase=res.phase)
     owner = None
     transition = next_phase(
         phase=res.phase,

@@ -188,6 +188,10 @@ class ReservationStatus:
         return out
 
 
+_PLACED_PHASES = (ReservationPhase.RESERVED, ReservationPhase.BOUND, ReservationPhase.LOST)
+"""Phases of a booking on a GPU: recorded on an entry without one, its placement was withdrawn."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class GpuReservation:
     meta: Meta
@@ -299,12 +303,16 @@ class GpuReservation:
     @property
     def phase(self) -> ReservationPhase:
         """The recorded phase; none yet means just Reserved (Queued without a GPU). A queue entry the
-        controller has placed is Reserved from the moment its spec names the GPU."""
+        controller has placed is Reserved from the moment its spec names the GPU, and one whose
+        placement was withdrawn is Queued again, whatever its status last said (Bound, if its pod was
+        seen while it was placed)."""
         recorded = self.status.phase
         if recorded is None and self.held_for:
             return ReservationPhase.HELD
         if recorded is None or recorded is ReservationPhase.QUEUED:
             return ReservationPhase.RESERVED if self.spec.placed else ReservationPhase.QUEUED
+        if not self.spec.placed and recorded in _PLACED_PHASES:
+            return ReservationPhase.QUEUED
         return recorded
 
     @property

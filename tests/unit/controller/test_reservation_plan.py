@@ -214,6 +214,20 @@ def test_a_placed_queue_entry_binds_to_the_pod_it_recorded_and_leaves_the_queue(
     assert "queuePosition" not in p.status.to_wire()
 
 
+def test_an_entry_whose_placement_was_withdrawn_after_its_pod_bound_is_queued_again() -> None:
+    """The reconciler bound the placed entry to its gated pod, then the placement was withdrawn (its
+    commit lost, or nobody vouched for it): it must wait in the queue again, not stay Bound to no GPU
+    with its pod gated for ever."""
+    o = queued_obj(phase="Bound", podUID="uid-1")
+    res = GpuReservation.from_wire(o)
+    assert res.phase is ReservationPhase.QUEUED
+    assert res.phase.is_open
+    p = make(o, QUEUED_POD)
+    assert p.transition is None
+    assert p.status is not None
+    assert p.status.phase is ReservationPhase.QUEUED  # kubectl shows it queued again
+
+
 def test_a_queued_entry_whose_pod_was_deleted_leaves_the_queue() -> None:
     p = make(queued_obj(phase="Queued", podUID="uid-1", queuePosition=3), None)
     assert p.transition is not None
