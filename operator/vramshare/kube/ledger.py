@@ -238,12 +238,17 @@ class KubeLedger:
         needed = max((self._needed(d) for d in self.devices.items.values()), default=0)
         if needed < 0:
             return await self._consistent()
-        if self.reservations.resource_version < needed:
-            self.catch_up_waits += 1
-            if not await self.reservations.wait_for(needed, timeout_s=CATCH_UP_TIMEOUT_S):
-                log.warning("reservation stream behind the GPU tokens; reading consistently", needed=needed)
-                return await self._consistent()
+        if not await self._caught_up(needed):
+            log.warning("reservation stream behind the GPU tokens; reading consistently", needed=needed)
+            return await self._consistent()
         return self._view()
+
+    async def _caught_up(self, needed: int) -> bool:
+        """Whether the reservation stream has passed resourceVersion `needed`, waiting briefly for it."""
+        if self.reservations.resource_version >= needed:
+            return True
+        self.catch_up_waits += 1
+        return await self.reservations.wait_for(needed, timeout_s=CATCH_UP_TIMEOUT_S)
 
     def _needed(self, device: GpuDevice) -> int:
         if self._own_tokens.get(device.spec.uuid) == device.ledger_token:
@@ -361,13 +366,10 @@ class KubeLedger:
         written (with the entry's resourceVersion as a precondition, so two controllers cannot both
         place it), then the GPU's token is bumped naming it; `CommitConflictError` when either moved.
 
-        Returns once the placement is labelled committed: that label is what lets a later leader lift
-        the pod's gate (see `vramshare.controller.queue`). A placement that committed stands even if
-        the caller gives up meanwhile (its leadership ended): its pod exists and waits behind its gate,
-        and the next leader lifts it."""
-        placed = await self.commit(reservation=entry.placed_on(gpu), token=token, live=live, places=True)
-        await asyncio.shield(self._later(self._label_committed(placed)))
-        return placed
+        A placement that committed stands even if the caller gives up meanwhile (its leadership
+        ended): its pod exists and waits behind its gate, and the label `committed` lets the next
+        leader lift it (see `vramshare.controller.queue`)."""
+        return await self.commit(reservation=entry.placed_on(gpu), token=token, live=live, places=True)
 
     async def unplace(self, entry: GpuReservation) -> bool:
         """Take a placed queue entry back to the queue, unless it changed since `entry` was read (a
@@ -412,19 +414,16 @@ class KubeLedger:
                 queue.remove(entry)
                 self.reservations.drop(key)
             elif entry.done.done() and not entry.done.cancelled() and entry.done.exception() is None:
-                if places:  # a committed placement stands (see `place`)
-                    self._later(self._label_committed(entry.done.result()))
-                else:
+                if not places:  # a committed placement stands (see `place`)
                     self._later(self._abandon(entry.done.result(), key))
             else:
                 entry.abandoned = True
             raise
 
-    def _later(self, coroutine: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+    def _later(self, coroutine: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coroutine)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
-        return task
 
     def decided(self, reservation: GpuReservation) -> None:
         """Put a booking into this process's view now, before any await: `commit` does it for one
@@ -533,12 +532,11 @@ class KubeLedger:
         self._own_tokens[gpu_uuid] = new_token
         self.devices.put(f"/{device_name(gpu_uuid)}", GpuDevice.from_wire(bumped))
         for entry, created in made:
-            if entry.abandoned and not entry.places:
+            if entry.abandoned and not entry.places:  # a committed placement stands (see `place`)
                 self._later(self._abandon(created, entry.key))
                 continue
             self.reservations.put(entry.key, created.to_domain())
-            if not entry.places or entry.abandoned:  # `place` labels its own before it returns
-                self._later(self._label_committed(created))
+            self._later(self._label_committed(created))
             entry.done.set_result(created)
 
     def _remember_mark(self, device: GpuDevice) -> None:
@@ -592,11 +590,7 @@ class KubeLedger:
         if self.has_room is None or not self.live:
             return False
         needed = last_commit_version(device)
-        if needed < 0:
-            return False
-        if self.reservations.resource_version < needed and not await self.reservations.wait_for(
-            needed, timeout_s=CATCH_UP_TIMEOUT_S
-        ):
+        if needed < 0 or not await self._caught_up(needed):
             return False
         gpu = device.to_domain()
         return gpu is not None and self.has_room(gpu, self.index)
