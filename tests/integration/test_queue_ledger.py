@@ -4,17 +4,27 @@ vouch for."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 import pytest_asyncio
 
 from tests.unit.domain.builders import gpu
+from vramshare.domain import ReservationPhase
 from vramshare.kube.client import ApiError, Connection, KubeClient
 from vramshare.kube.ledger import CommitConflictError, KubeLedger
 from vramshare.kube.objects import DeviceSpec, GpuDevice, GpuReservation
-from vramshare.kube.resources import ANNOTATION_LEDGER, device_name, devices_path, reservations_path
+from vramshare.kube.resources import (
+    ANNOTATION_LEDGER,
+    LABEL_COMMITTED,
+    LABEL_GPU,
+    device_name,
+    devices_path,
+    reservations_path,
+)
 from vramshare_e2e.cluster import LocalCluster
 
 pytestmark = pytest.mark.cluster
@@ -90,3 +100,61 @@ async def test_a_queue_entry_is_placed_once_and_a_lost_race_puts_it_back_in_the_
         await kube.delete(devices_path(device_name(UUID)))
         for name in ("first", "second"):
             await kube.delete(reservations_path(namespace, name))
+
+
+async def test_a_placement_stands_when_its_leader_stops_and_is_withdrawn_only_as_it_was_left(
+    cluster: LocalCluster, kube: KubeClient, namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The interleavings the ledger's unit tests fake, on the real API server: a leader whose term
+    ends just after its commit moved the GPU's token; a withdrawal carrying a resourceVersion that
+    another leader's change made stale; and an entry recorded Bound before its placement went."""
+    card = gpu(UUID, node="gpu-node-a", index=7, total=16_384)
+    device = await kube.create(
+        devices_path(), GpuDevice.new(DeviceSpec(uuid=UUID, node_name="gpu-node-a", index=7)).to_wire()
+    )
+    try:
+        ledger = KubeLedger(kube)
+        entry = await ledger.enqueue(
+            GpuReservation.queued(name="stays", namespace=namespace, pod="stays", mib=4096, admission_uid="u")
+        )
+        path = reservations_path(namespace, "stays")
+        patch = kube.merge_patch
+        caller: list[asyncio.Task[GpuReservation]] = []
+
+        async def term_ends_after_the_bump(target: str, body: dict[str, Any]) -> dict[str, Any]:
+            result = await patch(target, body)
+            if target == devices_path(device_name(UUID)):
+                caller[0].cancel()
+            return result
+
+        monkeypatch.setattr(kube, "merge_patch", term_ends_after_the_bump)
+        caller.append(
+            asyncio.create_task(
+                ledger.place(entry=entry, gpu=card, token=device["metadata"]["resourceVersion"])
+            )
+        )
+        with pytest.raises(asyncio.CancelledError):
+            await caller[0]
+        monkeypatch.setattr(kube, "merge_patch", patch)
+        for _ in range(50):  # the label is written off the caller's path
+            if GpuReservation.from_wire(await kube.get(path)).committed:
+                break
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(1)  # any withdrawal the ledger started with it has landed by now
+        placed = GpuReservation.from_wire(await kube.get(path))
+        assert placed.spec.gpu_uuid == UUID
+        assert placed.committed
+        # Another leader records the pod (as the reconciler does): a withdrawal from before that fails.
+        bound = await kube.merge_patch(f"{path}/status", {"status": {"phase": "Bound", "podUID": "pod-uid"}})
+        assert not await ledger.unplace(placed)
+        assert (await kube.get(path))["spec"]["gpuUUID"] == UUID
+        # Withdrawn as it now is: back in the queue, though its status last said Bound.
+        assert await ledger.unplace(GpuReservation.from_wire(bound))
+        back = await kube.get(path)
+        assert not {"gpuUUID", "nodeName", "gpuIndex"} & set(back["spec"])
+        assert not {LABEL_GPU, LABEL_COMMITTED} & set(back["metadata"].get("labels", {}))
+        assert back["status"]["phase"] == "Bound"
+        assert GpuReservation.from_wire(back).phase is ReservationPhase.QUEUED
+    finally:
+        await kube.delete(devices_path(device_name(UUID)))
+        await kube.delete(reservations_path(namespace, "stays"))
