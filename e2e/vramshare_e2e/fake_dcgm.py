@@ -1,14 +1,24 @@
 """A DCGM-compatible exporter for a fake GPU fleet, with a control API for tests.
 
-It serves the framebuffer gauges of NVIDIA's dcgm-exporter with the same names and labels
-(`DCGM_FI_DEV_FB_FREE`, `DCGM_FI_DEV_FB_USED`, `DCGM_FI_DEV_FB_RESERVED`; `gpu`, `UUID`,
-`pci_bus_id`, `device`, `modelName`, `Hostname`, `DCGM_FI_DRIVER_VERSION`), so Prometheus and the
-controller read it exactly as they read the real one.
+It serves the framebuffer gauges of NVIDIA's dcgm-exporter with the same names, labels and label order
+as its `render_metrics.go` template, in one of several *flavours*, one per exporter family users run
+(the fleet's `exporter_flavour`; see FLAVOURS and tests/unit/dcgm_corpus/README.md for the sources):
+
+    4.5.3-4.8.2      Hostname, MiB gauges, DCGM_FI_DRIVER_VERSION label (up to 2026-05)
+    4.6.0-4.8.3      hostname (PR #655), MiB gauges
+    dcgm-4.7-bytes   hostname, DCGM 4.7's byte-exact fields with FB_CAPACITY_BYTES, and the driver
+                     label under DCGM_FI_SYSTEM_DRIVER_VERSION
+    pod-hostname     Hostname holds the exporter pod's name (exporters before 2023)
+
+A GPU with `mig` instances is written as a MIG-enabled GPU is: one series per GPU instance with the
+parent's UUID plus GPU_I_PROFILE and GPU_I_ID (framebuffer figures per instance, left out with
+`mig_fb: false` as on some H100 set-ups), and DCGM_FI_PROF_GR_ENGINE_ACTIVE per instance.
 
 Control API (JSON), used by tests and the demo:
 
     GET    /fleet                          the fleet as JSON
     PUT    /gpus/{uuid}        {"used_mib": N}   set a GPU's used memory
+    PUT    /flavour            {"flavour": "4.6.0-4.8.3"}  write the metrics as that exporter does
     DELETE /gpus/{uuid}                    remove a GPU (card pulled, node gone)
     POST   /gpus/{uuid}/replace {"uuid": "GPU-..."}  the card is replaced: same slot, new UUID
 
@@ -23,6 +33,7 @@ GPU it doubles as a minimal DCGM-compatible exporter.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import socket
 import urllib.request
@@ -35,11 +46,68 @@ from aiohttp import web
 
 from vramshare_e2e.fleet import Fleet
 
-_HELP = {
-    "DCGM_FI_DEV_FB_FREE": "Framebuffer memory free (in MiB).",
-    "DCGM_FI_DEV_FB_USED": "Framebuffer memory used (in MiB).",
-    "DCGM_FI_DEV_FB_RESERVED": "Framebuffer memory reserved (in MiB).",
+
+@dataclass(frozen=True, kw_only=True)
+class Flavour:
+    """How one exporter family writes the framebuffer gauges."""
+
+    node_label: str
+    metrics: tuple[tuple[str, str, str], ...]
+    """(metric, which figure: free/used/reserved/capacity, HELP text)."""
+    bytes_per_unit: int
+    driver_label: str
+    hostname_is_pod: bool = False
+
+
+_MIB_METRICS = (
+    ("DCGM_FI_DEV_FB_FREE", "free", "Framebuffer memory free (in MiB)."),
+    ("DCGM_FI_DEV_FB_USED", "used", "Framebuffer memory used (in MiB)."),
+    ("DCGM_FI_DEV_FB_RESERVED", "reserved", "Framebuffer memory reserved (in MiB)."),
+)
+_BYTES_METRICS = (
+    ("DCGM_FI_DEV_FB_CAPACITY_BYTES", "capacity", "Total framebuffer memory (in bytes)."),
+    ("DCGM_FI_DEV_FB_FREE_BYTES", "free", "Framebuffer memory free (in bytes)."),
+    ("DCGM_FI_DEV_FB_USED_BYTES", "used", "Framebuffer memory used (in bytes)."),
+    ("DCGM_FI_DEV_FB_RESERVED_BYTES", "reserved", "Framebuffer memory reserved (in bytes)."),
+)
+FLAVOURS = {
+    "4.5.3-4.8.2": Flavour(
+        node_label="Hostname",
+        metrics=_MIB_METRICS,
+        bytes_per_unit=2**20,
+        driver_label="DCGM_FI_DRIVER_VERSION",
+    ),
+    "4.6.0-4.8.3": Flavour(
+        node_label="hostname",
+        metrics=_MIB_METRICS,
+        bytes_per_unit=2**20,
+        driver_label="DCGM_FI_DRIVER_VERSION",
+    ),
+    "dcgm-4.7-bytes": Flavour(
+        node_label="hostname",
+        metrics=_BYTES_METRICS,
+        bytes_per_unit=1,
+        driver_label="DCGM_FI_SYSTEM_DRIVER_VERSION",
+    ),
+    "pod-hostname": Flavour(
+        node_label="Hostname",
+        metrics=_MIB_METRICS,
+        bytes_per_unit=2**20,
+        driver_label="DCGM_FI_DRIVER_VERSION",
+        hostname_is_pod=True,
+    ),
 }
+DEFAULT_FLAVOUR = "4.5.3-4.8.2"
+
+
+@dataclass(frozen=True, kw_only=True)
+class InstanceReading:
+    """One GPU instance of a MIG-enabled GPU."""
+
+    profile: str
+    instance_id: int
+    free_mib: int | None
+    used_mib: int | None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,37 +123,64 @@ class GpuReading:
     free_mib: int
     used_mib: int
     reserved_mib: int | None
+    mig: tuple[InstanceReading, ...] = ()
 
 
 def _escape(value: str) -> str:
     return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
-def render_metrics(readings: Iterable[GpuReading]) -> str:
-    """The Prometheus text exposition dcgm-exporter would serve for these readings."""
+def _pod_name(hostname: str) -> str:
+    """A DaemonSet pod name, as old exporters wrote into Hostname."""
+    return f"nvidia-dcgm-exporter-{hashlib.sha256(hostname.encode()).hexdigest()[:5]}"
+
+
+def render_metrics(readings: Iterable[GpuReading], *, flavour: str = DEFAULT_FLAVOUR) -> str:
+    """The Prometheus text exposition that exporter family would serve for these readings."""
+    shape = FLAVOURS[flavour]
     readings = list(readings)
     lines: list[str] = []
-    for metric, help_text in _HELP.items():
+
+    def series(r: GpuReading, instance: InstanceReading | None) -> str:
+        labels = {
+            "gpu": str(r.index),
+            "UUID": r.uuid,
+            "pci_bus_id": r.pci_bus_id,
+            "device": f"nvidia{r.index}",
+            "modelName": r.model,
+        }
+        if instance is not None:
+            labels |= {"GPU_I_PROFILE": instance.profile, "GPU_I_ID": str(instance.instance_id)}
+        labels[shape.node_label] = _pod_name(r.hostname) if shape.hostname_is_pod else r.hostname
+        labels[shape.driver_label] = r.driver_version
+        return ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items())
+
+    for metric, figure, help_text in shape.metrics:
         lines += [f"# HELP {metric} {help_text}", f"# TYPE {metric} gauge"]
         for r in readings:
-            value = {
-                "DCGM_FI_DEV_FB_FREE": r.free_mib,
-                "DCGM_FI_DEV_FB_USED": r.used_mib,
-                "DCGM_FI_DEV_FB_RESERVED": r.reserved_mib,
-            }[metric]
-            if value is None:
+            if r.mig:
+                for i in r.mig:
+                    if i.free_mib is None or i.used_mib is None or figure == "reserved":
+                        continue
+                    value = {"free": i.free_mib, "used": i.used_mib, "capacity": i.free_mib + i.used_mib}[
+                        figure
+                    ]
+                    lines.append(f"{metric}{{{series(r, i)}}} {value * 2**20 // shape.bytes_per_unit}")
                 continue
-            labels = {
-                "gpu": str(r.index),
-                "UUID": r.uuid,
-                "pci_bus_id": r.pci_bus_id,
-                "device": f"nvidia{r.index}",
-                "modelName": r.model,
-                "Hostname": r.hostname,
-                "DCGM_FI_DRIVER_VERSION": r.driver_version,
-            }
-            text = ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items())
-            lines.append(f"{metric}{{{text}}} {value}")
+            mib = {
+                "free": r.free_mib,
+                "used": r.used_mib,
+                "reserved": r.reserved_mib,
+                "capacity": r.free_mib + r.used_mib + (r.reserved_mib or 0),
+            }[figure]
+            if mib is None:
+                continue
+            lines.append(f"{metric}{{{series(r, None)}}} {mib * 2**20 // shape.bytes_per_unit}")
+    instances = [(r, i) for r in readings for i in r.mig]
+    if instances:
+        metric = "DCGM_FI_PROF_GR_ENGINE_ACTIVE"
+        lines += [f"# HELP {metric} Ratio of time the graphics engine is active.", f"# TYPE {metric} gauge"]
+        lines += [f"{metric}{{{series(r, i)}}} 0.000000" for r, i in instances]
     return "\n".join(lines) + "\n"
 
 
@@ -101,6 +196,15 @@ def fleet_readings(fleet: Fleet) -> list[GpuReading]:
             free_mib=gpu.free_mib,
             used_mib=gpu.used_mib,
             reserved_mib=gpu.driver_reserved_mib if fleet.report_driver_reserved else None,
+            mig=tuple(
+                InstanceReading(
+                    profile=i["profile"],
+                    instance_id=int(i["instance_id"]),
+                    free_mib=int(i["total_mib"]) - int(i.get("used_mib", 0)) if gpu.mig_fb else None,
+                    used_mib=int(i.get("used_mib", 0)) if gpu.mig_fb else None,
+                )
+                for i in gpu.mig
+            ),
         )
         for node, gpu in fleet.all_gpus()
         if not gpu.silent
@@ -159,8 +263,22 @@ def create_app(
         return Fleet.load(fleet_path)
 
     async def metrics(_: web.Request) -> web.Response:
-        readings = read() if read is not None else fleet_readings(load())
-        return web.Response(text=render_metrics(readings), content_type="text/plain", charset="utf-8")
+        if read is not None:
+            text = render_metrics(read())
+        else:
+            fleet = load()
+            text = render_metrics(fleet_readings(fleet), flavour=fleet.exporter_flavour)
+        return web.Response(text=text, content_type="text/plain", charset="utf-8")
+
+    async def set_flavour(request: web.Request) -> web.Response:
+        flavour = str((await request.json()).get("flavour", ""))
+        if flavour not in FLAVOURS:
+            return web.json_response({"error": f"flavour must be one of {', '.join(FLAVOURS)}"}, status=400)
+        fleet = load()
+        fleet.exporter_flavour = flavour
+        assert fleet_path is not None
+        fleet.save(fleet_path)
+        return web.json_response(fleet.to_json())
 
     async def get_fleet(_: web.Request) -> web.Response:
         return web.json_response(load().to_json())
@@ -222,6 +340,7 @@ def create_app(
         app.router.add_delete("/gpus/{uuid}", remove)
         app.router.add_post("/gpus/{uuid}/replace", replace)
         app.router.add_put("/gpus/{uuid}/silent", silence)
+        app.router.add_put("/flavour", set_flavour)
     return app
 
 
@@ -250,6 +369,10 @@ class ExporterClient:
     def set_silent(self, uuid: str, silent: bool) -> None:
         """Stop (or resume) reporting one GPU's series, as an exporter whose DCGM field blinks."""
         self._call("PUT", f"/gpus/{uuid}/silent", {"silent": silent})
+
+    def set_flavour(self, flavour: str) -> None:
+        """Write the metrics as another exporter family does (see FLAVOURS)."""
+        self._call("PUT", "/flavour", {"flavour": flavour})
 
     def replace_uuid(self, uuid: str, new_uuid: str) -> None:
         self._call("POST", f"/gpus/{uuid}/replace", {"uuid": new_uuid})

@@ -29,6 +29,11 @@ class FakeGpu:
     driver_reserved_mib: int = 0
     silent: bool = False
     """Left out of the exporter's metrics while the card stays (a DCGM series that blinks out)."""
+    mig: list[dict[str, Any]] = field(default_factory=list)
+    """MIG GPU instances, e.g. {"profile": "3g.20gb", "instance_id": 1, "total_mib": 19968, "used_mib": 0};
+    empty for a whole GPU."""
+    mig_fb: bool = True
+    """False: the exporter writes no framebuffer fields for the instances (dcgm-exporter #512)."""
 
     @property
     def free_mib(self) -> int:
@@ -69,6 +74,8 @@ class Fleet:
     driver_version: str = "550.54.15"
     report_driver_reserved: bool = True
     """False mimics exporter versions that do not publish DCGM_FI_DEV_FB_RESERVED."""
+    exporter_flavour: str = "4.5.3-4.8.2"
+    """Which exporter family the fake exporter writes as (see vramshare_e2e.fake_dcgm.FLAVOURS)."""
 
     def gpu(self, uuid: str) -> tuple[FakeNode, FakeGpu]:
         for node in self.nodes:
@@ -93,6 +100,7 @@ class Fleet:
             nodes=nodes,
             driver_version=data.get("driver_version", "550.54.15"),
             report_driver_reserved=data.get("report_driver_reserved", True),
+            exporter_flavour=data.get("exporter_flavour", "4.5.3-4.8.2"),
         )
 
     def save(self, path: Path) -> None:

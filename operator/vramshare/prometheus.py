@@ -1,16 +1,16 @@
 """Reading DCGM framebuffer gauges from Prometheus (prometheus-api-client), as domain `Sample`s.
 
-One reading is four instant queries: FB_FREE, FB_USED, FB_RESERVED (absent on some exporter
-versions) and `timestamp(DCGM_FI_DEV_FB_FREE)`, the time of the sample itself rather than of the
-query, which is what the staleness rule needs. Each series is mapped to a Kubernetes node through a
-configurable label: `Hostname` by default, but in many clusters that is the exporter pod's name and a
-relabelled `node`, `hostname` or `instance` is the right one.
+One reading is one instant query (`vramshare.dcgm_series.promql`) evaluated at one explicit time,
+`query_delay_s` in the past (so data still arriving at Thanos or Mimir does not split it): the values,
+their sample times (what the staleness rule needs) and the MIG instance markers all come from that one
+evaluation, and `samples_from` keeps a GPU's figures only when they come from one scrape.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,66 +19,11 @@ import requests
 from prometheus_api_client import PrometheusConnect
 from urllib3.util.retry import Retry
 
-from vramshare.domain.inventory import Sample
-
-FREE, USED, RESERVED = "DCGM_FI_DEV_FB_FREE", "DCGM_FI_DEV_FB_USED", "DCGM_FI_DEV_FB_RESERVED"
+from vramshare.dcgm_series import AUTO, DcgmReading, promql, samples_from
 
 
 class PrometheusUnavailableError(Exception):
     pass
-
-
-@dataclass(frozen=True, kw_only=True)
-class DcgmReading:
-    samples: list[Sample]
-    skipped: list[str]
-    """Series that could not be used, with why (no UUID, no node label, ...), for the log."""
-
-
-def _node_of(labels: Mapping[str, str], node_label: str) -> str | None:
-    node = labels.get(node_label)
-    if node and node_label == "instance":
-        node = node.rsplit(":", 1)[0]  # instance is host:port
-    return node or None
-
-
-def samples_from(
-    results: Mapping[str, list[dict[str, Any]]], *, node_label: str, selector: str = ""
-) -> DcgmReading:
-    """Join the per-metric query results into one Sample per GPU UUID (pure; unit-tested)."""
-    values: dict[str, dict[str, float]] = {}
-    labels: dict[str, Mapping[str, str]] = {}
-    for metric, series in results.items():
-        for s in series:
-            uuid = s["metric"].get("UUID")
-            if not uuid:
-                continue
-            values.setdefault(uuid, {})[metric] = float(s["value"][1])
-            if metric == FREE:
-                labels[uuid] = s["metric"]
-    samples, skipped = [], []
-    for uuid, got in sorted(values.items()):
-        meta = labels.get(uuid)
-        if meta is None or USED not in got or "timestamp" not in got:
-            skipped.append(f"{uuid}: incomplete series ({', '.join(sorted(got))})")
-            continue
-        node = _node_of(meta, node_label)
-        if node is None:
-            skipped.append(f"{uuid}: no {node_label!r} label to map it to a node")
-            continue
-        samples.append(
-            Sample(
-                uuid=uuid,
-                node=node,
-                index=int(meta.get("gpu", "0")),
-                model=meta.get("modelName", ""),
-                free_mib=int(got[FREE]),
-                used_mib=int(got[USED]),
-                driver_reserved_mib=int(got[RESERVED]) if RESERVED in got else None,
-                sampled_at=got["timestamp"],
-            )
-        )
-    return DcgmReading(samples=samples, skipped=skipped)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -104,14 +49,18 @@ class DcgmSource:
         self,
         *,
         url: str,
-        node_label: str,
+        node_label: str = AUTO,
         selector: str = "",
         timeout_s: float = 10.0,
+        query_delay_s: float = 1.0,
         access: PrometheusAccess | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.url = url
         self.node_label = node_label
         self.selector = selector
+        self.query_delay_s = query_delay_s
+        self.clock = clock
         self.timeout_s = timeout_s
         self.access = access or PrometheusAccess()
         # No retries inside a reading: the next poll is the retry, and an outage must be seen quickly.
@@ -135,9 +84,9 @@ class DcgmSource:
             token = Path(self.access.bearer_token_file).read_text().strip()
             self._client.headers["Authorization"] = f"Bearer {token}"
 
-    def _query(self, promql: str) -> list[dict[str, Any]]:
+    def _query(self, query: str, *, at: float) -> list[dict[str, Any]]:
         try:
-            result = self._client.custom_query(promql)
+            result = self._client.custom_query(query, params={"time": f"{at:.3f}"})
         except Exception as exc:  # the client raises requests' errors and its own
             raise PrometheusUnavailableError(f"{self.url}: {exc}") from exc
         return list(result)
@@ -147,10 +96,9 @@ class DcgmSource:
             self._refresh_token()
         except OSError as exc:
             raise PrometheusUnavailableError(f"{self.url}: cannot read the bearer token: {exc}") from exc
-        sel = f"{{{self.selector}}}" if self.selector else ""
-        results = {m: self._query(f"{m}{sel}") for m in (FREE, USED, RESERVED)}
-        results["timestamp"] = self._query(f"timestamp({FREE}{sel})")
-        return samples_from(results, node_label=self.node_label)
+        at = self.clock() - self.query_delay_s
+        results = self._query(promql(selector=self.selector, node_label=self.node_label), at=at)
+        return samples_from(results, node_label=self.node_label, evaluated_at=at)
 
     async def read(self) -> DcgmReading:
         return await asyncio.wait_for(asyncio.to_thread(self.read_blocking), timeout=self.timeout_s * 4 + 1)

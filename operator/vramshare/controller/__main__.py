@@ -85,6 +85,7 @@ async def run(settings: ControllerSettings) -> None:
             url=settings.prometheus_url,
             node_label=settings.node_label,
             selector=settings.metrics_selector,
+            query_delay_s=settings.prometheus_query_delay_s,
             access=settings.prometheus_access,
         )
         # Lead while holding the Lease; on losing it (no renewal within the renew deadline, or another

@@ -18,14 +18,15 @@ import structlog
 from vramshare.controller.metrics import ControllerMetrics
 from vramshare.controller.settings import ControllerSettings
 from vramshare.controller.state import ClusterState
+from vramshare.dcgm_series import Cause, DcgmReading, Unusable
 from vramshare.domain import Reservation
-from vramshare.domain.inventory import DeviceState, GpuPresence, Known, observe, to_forget
+from vramshare.domain.inventory import DeviceState, GpuPresence, Known, Sample, TotalDrift, observe, to_forget
 from vramshare.domain.inventory import DeviceStatus as Judged
 from vramshare.kube.client import ApiError, KubeClient
 from vramshare.kube.events import Event, Involved, post_event
 from vramshare.kube.objects import Condition, DeviceSpec, DeviceStatus, GpuDevice
 from vramshare.kube.resources import API_VERSION, devices_path
-from vramshare.prometheus import DcgmReading, DcgmSource, PrometheusUnavailableError
+from vramshare.prometheus import DcgmSource, PrometheusUnavailableError
 
 log = structlog.get_logger("vramshare.controller")
 
@@ -85,6 +86,7 @@ def device_status(
         used_mib=gpu.used_mib,
         free_mib=gpu.free_mib,
         driver_reserved_mib=gpu.driver_reserved_mib,
+        mig=gpu.mig,
         reserved_mib=room.reserved_mib,
         headroom_mib=room.headroom_mib,
         sampled_at=gpu.sampled_at,
@@ -143,6 +145,8 @@ class InventoryLoop:
         self.polled = asyncio.Event()
         """Set after each poll (the pool sync clears it)."""
         self._last_seen: dict[str, float] = {}
+        self._drift: dict[str, TotalDrift] = {}
+        self._causes_logged: set[Cause] = set()
         self.outage: str | None = None
 
     async def _reading(self) -> DcgmReading | None:
@@ -161,12 +165,49 @@ class InventoryLoop:
         if self.outage is not None:
             log.info("Prometheus reachable again", url=self.source.url)
             self.outage = None
-        for problem in reading.skipped:
-            log.warning("DCGM series skipped", problem=problem)
         return reading
 
+    def _report_unusable(self, unusable: list[Unusable]) -> None:
+        """Each cause in a metric every poll, and in the log once: when it first appears (with every
+        GPU it concerns then) and when it is gone."""
+        by_cause: dict[Cause, list[str]] = {}
+        for u in unusable:
+            by_cause.setdefault(u.cause, []).append(u.detail)
+        self.metrics.unusable_series.clear()
+        for cause in Cause:
+            self.metrics.unusable_series.labels(cause.value).set(len(by_cause.get(cause, [])))
+        for cause, details in by_cause.items():
+            if cause not in self._causes_logged:
+                self._causes_logged.add(cause)
+                log.warning(
+                    "DCGM series unusable", cause=cause.value, count=len(details), problems=details[:20]
+                )
+        for cause in sorted(self._causes_logged - set(by_cause)):
+            self._causes_logged.discard(cause)
+            log.info("DCGM series usable again", cause=cause.value)
+
+    def _on_known_nodes(self, samples: list[Sample], nodes: set[str], known: set[str]) -> list[Unusable]:
+        """Newly seen GPUs whose node label names no Kubernetes node (an exporter that writes its pod's
+        name there, a wrong node_label) are left out, with why; known GPUs go Missing as before."""
+        if not nodes:  # no Node objects at all: nothing to compare with
+            return []
+        out = []
+        for s in samples:
+            if s.uuid not in known and s.node not in nodes:
+                shown = ", ".join(sorted(nodes)[:5]) + (", ..." if len(nodes) > 5 else "")
+                out.append(
+                    Unusable(
+                        cause=Cause.UNKNOWN_NODE,
+                        detail=f"{s.uuid}: its node label says {s.node!r}, which is not a Kubernetes node "
+                        f"({shown}). Exporters before 2023 wrote their own pod's name in Hostname: relabel "
+                        "the node name (e.g. from __meta_kubernetes_pod_node_name) into a label and set "
+                        "node_label to it",
+                    )
+                )
+        return out
+
     async def poll(self) -> list[Judged]:
-        reading = await self._reading()
+        reading: DcgmReading | None = await self._reading()
         # From the watch caches: no LIST per poll.
         devices = list(self.state.devices.items.values())
         reservations = [r.to_domain() for r in self.state.reservations.items.values() if r.phase.is_active]
@@ -180,15 +221,30 @@ class InventoryLoop:
                 # The stored times lag by up to a refresh interval (see _worth_writing); this
                 # leader's own memory of the last sighting is newer.
                 seen = max(device.status.last_seen_at, self._last_seen.get(gpu.uuid, 0.0))
-                known.append(Known(gpu=gpu, last_seen_at=seen))
+                known.append(Known(gpu=gpu, last_seen_at=seen, drift=self._drift.get(gpu.uuid)))
+        samples = reading.samples if reading else []
+        unusable = list(reading.unusable) if reading else []
+        strangers = self._on_known_nodes(samples, nodes, set(by_uuid))
+        if strangers:
+            unusable += strangers
+            left_out = {u.detail.split(":", 1)[0] for u in strangers}
+            samples = [s for s in samples if s.uuid not in left_out]
         statuses = observe(
             known=known,
-            samples=reading.samples if reading else [],
+            samples=samples,
             reservations=reservations,
             nodes=nodes,
             now=now,
             settings=self.settings.inventory,
         )
+        self._drift = {j.gpu.uuid: j.drift for j in statuses if j.drift is not None}
+        unusable += [
+            Unusable(cause=Cause.TOTAL_DRIFT, detail=f"{j.gpu.uuid}: {j.rejected}")
+            for j in statuses
+            if j.rejected
+        ]
+        if reading is not None:
+            self._report_unusable(unusable)
         gone = to_forget(statuses, reservations=reservations, now=now, settings=self.settings.inventory)
         for judged in statuses:
             recorded = by_uuid.get(judged.gpu.uuid)
@@ -344,6 +400,7 @@ class InventoryLoop:
             m.overused.labels(*labels).set(s.overused_mib)
             for state in DeviceState:
                 m.state.labels(*labels, state.value).set(1 if s.state is state else 0)
+        m.mig_gpus.set(sum(1 for s in statuses if s.gpu.mig_enabled))
         counts = Counter(r.phase.value for r in reservations)
         m.reservations.clear()
         for phase, n in counts.items():

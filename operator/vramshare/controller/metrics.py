@@ -53,6 +53,18 @@ class ControllerMetrics:
             "Failed readings of DCGM metrics from Prometheus.",
             registry=self.registry,
         )
+        self.unusable_series = Gauge(
+            "vramshare_dcgm_series_unusable",
+            "GPUs (or series) in the latest DCGM reading that could not be used, by cause (no-node-label, "
+            "incomplete, inconsistent, conflicting-duplicates, unknown-node, total-drift, ...).",
+            ["cause"],
+            registry=self.registry,
+        )
+        self.mig_gpus = Gauge(
+            "vramshare_mig_gpus",
+            "MIG-enabled GPUs in the inventory (shown, never handed to pods).",
+            registry=self.registry,
+        )
         self.pool_slots = Gauge(
             "vramshare_airflow_pool_slots",
             "The slots vramshare last set on the Airflow pool (the pool sync).",

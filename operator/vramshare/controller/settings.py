@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, replace
 
 from vramshare.airflow_pools import AirflowAccess
 from vramshare.controller.leader import LeaseTiming
+from vramshare.dcgm_series import valid_node_label
 from vramshare.domain import Accounting, AllocationSettings, Policy, QueueSettings
 from vramshare.domain.inventory import InventorySettings
 from vramshare.domain.pools import PoolBasis, PoolRule
@@ -20,8 +21,10 @@ from vramshare.settings import check_accounting, from_env, invalid
 @dataclass(frozen=True, kw_only=True)
 class ControllerSettings:
     prometheus_url: str = "http://prometheus-server.monitoring.svc"
-    node_label: str = "Hostname"
-    """The DCGM series label holding the Kubernetes node name (Hostname, hostname, node, instance, ...)."""
+    node_label: str = "auto"
+    """The DCGM series label holding the Kubernetes node name. `auto`: `hostname` (dcgm-exporter
+    4.6.0-4.8.3 and later), else `Hostname` (earlier releases); or name one, e.g. a relabelled `node`,
+    or `instance` (host:port, the port is dropped)."""
     metrics_selector: str = ""
     """Extra PromQL label matchers for the DCGM series, e.g. job="dcgm-exporter"."""
     prometheus_ca_file: str = ""
@@ -33,6 +36,11 @@ class ControllerSettings:
     prometheus_basic_auth_password_file: str = ""
     prometheus_headers: str = ""
     """Extra headers as a JSON object, e.g. {"X-Scope-OrgID": "ml"} for a Mimir or Cortex tenant."""
+    prometheus_query_delay_s: float = 1.0
+    """Each reading is evaluated this far in the past, so that samples still on their way into the
+    store (Thanos receive, Mimir ingesters) cannot split it. Raise it for remote-write setups."""
+    total_drift_tolerance_mib: int = 64
+    """A reading whose free + used + reserved differs from the card's pinned total by more is rejected."""
     poll_interval_s: float = 5.0
     accounting: Accounting = field(default_factory=Accounting)
     """Shared with the webhook: VRAMSHARE_SAFETY_MARGIN_MIB, _SETTLE_S, _MAX_SAMPLE_AGE_S, _STALE_MODE."""
@@ -155,6 +163,7 @@ class ControllerSettings:
             accounting=self.accounting,
             missing_grace_s=self.missing_grace_s,
             forget_missing_after_s=self.forget_missing_after_s,
+            total_drift_tolerance_mib=self.total_drift_tolerance_mib,
         )
 
     def validate(self) -> ControllerSettings:
@@ -199,6 +208,17 @@ class ControllerSettings:
                 self.lease_retry_period_s,
                 f"seconds below lease_renew_deadline_s ({self.lease_renew_deadline_s:g})",
             )
+        if not valid_node_label(self.node_label):
+            raise invalid(
+                "node_label",
+                self.node_label,
+                "auto, or a Prometheus label name (letters, digits and _, not starting with a digit), "
+                "e.g. hostname, Hostname, node, instance",
+            )
+        if self.prometheus_query_delay_s < 0:
+            raise invalid("prometheus_query_delay_s", self.prometheus_query_delay_s, "0 or more seconds")
+        if self.total_drift_tolerance_mib < 0:
+            raise invalid("total_drift_tolerance_mib", self.total_drift_tolerance_mib, "0 or more MiB")
         if not self.prometheus_url.startswith(("http://", "https://")):
             raise invalid("prometheus_url", self.prometheus_url, "an http:// or https:// URL")
         self.prometheus_access  # noqa: B018 (validates prometheus_headers)

@@ -33,6 +33,7 @@ class Exclusion(StrEnum):
     STALE = "stale-metrics"
     MISSING = "missing"
     UNHEALTHY = "unhealthy"
+    MIG_ENABLED = "mig-enabled"
     OTHER_NODE = "other-node"
     OTHER_MODEL = "other-model"
 
@@ -140,6 +141,8 @@ def _judge(
         return verdict(Exclusion.MISSING)
     if not gpu.healthy:
         return verdict(Exclusion.UNHEALTHY)
+    if gpu.mig_enabled:
+        return verdict(Exclusion.MIG_ENABLED)
     accounting = settings.accounting
     stale = age > accounting.max_sample_age_s
     if stale and accounting.stale_mode is StaleGpuMode.REFUSE:

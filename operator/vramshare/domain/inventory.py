@@ -4,6 +4,12 @@ A GPU is Ready while its latest sample is younger than the maximum age, Stale wh
 when its UUID has not been reported for a grace period *while its node's exporter still reports other
 GPUs* (a card pulled or replaced), or when its node is gone. An exporter or Prometheus outage silences
 a whole node: its GPUs go Stale, never Missing, so an outage cannot mark reservations Lost.
+
+A card's total is pinned: where the exporter publishes no capacity metric, the total is free + used +
+reserved, and a reading whose sum drifts from the recorded total is rejected (the GPU keeps its last
+figures and ages) until the same new total has been read `repin_after_readings` times in a row (a MIG
+reconfiguration, a driver that reserves differently). No timing between scrapes and queries can then
+turn memory a pod grew into headroom.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ from enum import StrEnum
 
 from vramshare.domain.accounting import Accounting, StaleGpuMode
 from vramshare.domain.headroom import Headroom, headroom
-from vramshare.domain.models import Gpu, Reservation
+from vramshare.domain.models import Gpu, MigInstance, Reservation
 
 
 class DeviceState(StrEnum):
@@ -36,9 +42,18 @@ class Sample:
     driver_reserved_mib: int | None
     """None where the exporter does not publish DCGM_FI_DEV_FB_RESERVED."""
     sampled_at: float
+    capacity_mib: int | None = None
+    """The card's total where the exporter publishes it (DCGM_FI_DEV_FB_TOTAL or FB_CAPACITY_BYTES)."""
+    mig: tuple[MigInstance, ...] = ()
+
+    @property
+    def total_mib(self) -> int:
+        if self.capacity_mib is not None:
+            return self.capacity_mib
+        return self.free_mib + self.used_mib + (self.driver_reserved_mib or 0)
 
     def to_gpu(self) -> Gpu:
-        total = self.free_mib + self.used_mib + (self.driver_reserved_mib or 0)
+        total = self.total_mib
         return Gpu(
             uuid=self.uuid,
             node=self.node,
@@ -48,7 +63,16 @@ class Sample:
             used_mib=self.used_mib,
             free_mib=self.free_mib,
             sampled_at=self.sampled_at,
+            mig=self.mig,
         )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TotalDrift:
+    """A total, different from the pinned one, read in `readings` consecutive readings."""
+
+    total_mib: int
+    readings: int
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -57,6 +81,7 @@ class Known:
 
     gpu: Gpu
     last_seen_at: float
+    drift: TotalDrift | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -67,6 +92,11 @@ class InventorySettings:
     forget_missing_after_s: float = 86_400.0
     """A GPU Missing and unreported this long, with nothing booked on it, is forgotten (its GpuDevice
     deleted): a card removed for good. 0: never."""
+    total_drift_tolerance_mib: int = 64
+    """A reading whose free + used + reserved differs from the card's pinned total by more than this is
+    rejected (three MiB-rounded gauges of one scrape add up to within a few MiB of the card)."""
+    repin_after_readings: int = 3
+    """The same new total read this many times in a row becomes the card's total."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -78,6 +108,10 @@ class DeviceStatus:
     headroom: Headroom
     overused_mib: int
     """Live usage beyond the active reservations plus the margin (0 when within); only for Ready GPUs."""
+    drift: TotalDrift | None = None
+    """A drifting total being watched (for the next reading's `Known`)."""
+    rejected: str = ""
+    """Why this reading's figures were not taken (the GPU keeps its previous ones); empty if taken."""
 
 
 def observe(
@@ -102,8 +136,11 @@ def observe(
     active = [r for r in reservations if r.is_active]
     out = []
     for uuid in sorted(set(previous) | set(sampled)):
+        drift, rejected = None, ""
         if uuid in sampled:
             gpu, last_seen = sampled[uuid].to_gpu(), now
+            if uuid in previous:
+                gpu, drift, rejected = _pinned(sampled[uuid], previous[uuid], settings)
         else:
             gpu, last_seen = previous[uuid].gpu, previous[uuid].last_seen_at
         age = now - gpu.sampled_at
@@ -124,6 +161,13 @@ def observe(
             message = f"latest sample is {age:.0f} s old (max {max_age:g} s)"
         else:
             state, message = DeviceState.READY, "fresh DCGM sample"
+        if rejected and state is not DeviceState.MISSING:
+            message = f"{message}; {rejected}"
+        if gpu.mig_enabled and state is not DeviceState.MISSING:
+            message = (
+                f"{message}; MIG enabled with {len(gpu.mig)} GPU instances "
+                f"({', '.join(i.label for i in gpu.mig)}): not handed to pods"
+            )
         gpu = replace(gpu, missing=state is DeviceState.MISSING)
         room = headroom(
             gpu,
@@ -132,10 +176,10 @@ def observe(
             safety_margin_mib=accounting.safety_margin_mib,
             ledger_only=state is DeviceState.STALE and accounting.stale_mode is StaleGpuMode.LEDGER_ONLY,
         )
-        if state is DeviceState.MISSING:
+        if state is DeviceState.MISSING or gpu.mig_enabled:
             room = replace(room, headroom_mib=0)
         overused = 0
-        if state is DeviceState.READY:
+        if state is DeviceState.READY and not gpu.mig_enabled:
             # A hold books memory for a task that is not running: it allows no usage.
             held = sum(r.mib for r in active if r.gpu_uuid == gpu.uuid and r.held_for)
             overused = max(0, gpu.used_mib - (room.reserved_mib - held) - accounting.safety_margin_mib)
@@ -147,9 +191,36 @@ def observe(
                 message=message,
                 headroom=room,
                 overused_mib=overused,
+                drift=drift,
+                rejected=rejected,
             )
         )
     return out
+
+
+def _pinned(sample: Sample, known: Known, settings: InventorySettings) -> tuple[Gpu, TotalDrift | None, str]:
+    """The GPU this sample describes, held to the card's pinned total: (gpu, drift being watched, why
+    the sample was rejected or "")."""
+    fresh = sample.to_gpu()
+    pinned = known.gpu.total_mib
+    tolerance = settings.total_drift_tolerance_mib
+    # A published capacity is the card's own word; a MIG GPU's figures are its instances' sums, which
+    # change with the instances (and it is never handed out).
+    if sample.capacity_mib is not None or fresh.mig_enabled or known.gpu.mig_enabled or pinned <= 0:
+        return fresh, None, ""
+    if abs(fresh.total_mib - pinned) <= tolerance:
+        return fresh, None, ""
+    before = known.drift
+    same = before is not None and abs(before.total_mib - fresh.total_mib) <= tolerance
+    readings = (before.readings if before is not None and same else 0) + 1
+    if readings >= settings.repin_after_readings:
+        return fresh, None, ""
+    why = (
+        f"reading rejected: free + used + reserved = {fresh.total_mib} MiB, but the card's total is "
+        f"{pinned} MiB (read {readings} time(s) in a row; taken as the new total after "
+        f"{settings.repin_after_readings})"
+    )
+    return known.gpu, TotalDrift(total_mib=fresh.total_mib, readings=readings), why
 
 
 def to_forget(

@@ -18,8 +18,9 @@ _RANK = {
     Exclusion.STALE: 1,
     Exclusion.UNHEALTHY: 2,
     Exclusion.MISSING: 3,
-    Exclusion.OTHER_NODE: 4,
-    Exclusion.OTHER_MODEL: 5,
+    Exclusion.MIG_ENABLED: 4,
+    Exclusion.OTHER_NODE: 5,
+    Exclusion.OTHER_MODEL: 6,
 }
 
 
@@ -32,6 +33,12 @@ def describe_verdict(verdict: GpuVerdict, *, max_sample_age_s: float) -> str:
             why = "missing from DCGM metrics"
         case Exclusion.UNHEALTHY:
             why = "unhealthy"
+        case Exclusion.MIG_ENABLED:
+            instances = ", ".join(i.label for i in gpu.mig)
+            why = (
+                f"MIG enabled ({len(gpu.mig)} GPU instances: {instances}); vramshare hands out whole GPUs "
+                "by UUID and DCGM does not name the instances' MIG device UUIDs"
+            )
         case Exclusion.OTHER_MODEL:
             why = f"model {gpu.model} is not the one asked for"
         case Exclusion.OTHER_NODE:

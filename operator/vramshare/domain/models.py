@@ -40,11 +40,32 @@ class ReservationPhase(StrEnum):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class MigInstance:
+    """One GPU instance of a MIG-enabled GPU, as dcgm-exporter labels it (`GPU_I_PROFILE`, `GPU_I_ID`).
+
+    DCGM labels an instance with its parent's UUID only: the MIG device UUID a container would need is
+    not in the series, so vramshare cannot hand an instance to a pod (see `Gpu.mig`)."""
+
+    profile: str
+    """e.g. "3g.20gb"."""
+    instance_id: int
+    used_mib: int | None
+    free_mib: int | None
+    """None where the exporter publishes no framebuffer figures for instances (some H100 set-ups)."""
+
+    @property
+    def label(self) -> str:
+        return f"{self.profile} (GI {self.instance_id})"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Gpu:
     """One physical GPU as the inventory knows it.
 
-    `total_mib = free_mib + used_mib + driver_reserved_mib`: DCGM has no total metric, and FB_RESERVED
-    (memory the driver keeps for itself) is missing on some exporter versions, in which case it is 0.
+    `total_mib` is the card's framebuffer: the exporter's capacity metric where it publishes one, else
+    `free_mib + used_mib + driver_reserved_mib` of one scrape, pinned per card by the inventory (a
+    reading that drifts from it is rejected). FB_RESERVED (memory the driver keeps for itself) is
+    missing on some exporter versions, in which case it is 0.
     """
 
     uuid: str
@@ -59,6 +80,13 @@ class Gpu:
     healthy: bool = True
     missing: bool = False
     """The UUID has not been reported for a grace period (card removed or replaced, node gone)."""
+    mig: tuple[MigInstance, ...] = ()
+    """The GPU instances of a MIG-enabled GPU; empty for a whole GPU. A MIG-enabled GPU is never
+    handed to a pod: its UUID names the parent, which a container cannot use while MIG is on."""
+
+    @property
+    def mig_enabled(self) -> bool:
+        return bool(self.mig)
 
     @property
     def driver_reserved_mib(self) -> int:

@@ -15,6 +15,7 @@ from typing import Any, Self
 
 from vramshare.domain import Gpu, Reservation, ReservationPhase
 from vramshare.domain.inventory import DeviceState
+from vramshare.domain.models import MigInstance
 from vramshare.kube.resources import (
     API_VERSION,
     LABEL_ACTIVE,
@@ -426,6 +427,8 @@ class DeviceStatus:
     """Ready, Stale, Missing or Unhealthy: a summary of the conditions for `kubectl get`."""
     conditions: tuple[Condition, ...] = ()
     observed_generation: int = 0
+    mig: tuple[MigInstance, ...] = ()
+    """A MIG-enabled GPU's instances (never handed to pods); empty for a whole GPU."""
 
     @classmethod
     def from_wire(cls, obj: Obj) -> Self | None:
@@ -445,6 +448,7 @@ class DeviceStatus:
             state=str(obj.get("state", "")),
             conditions=tuple(Condition.from_wire(c) for c in obj.get("conditions") or []),
             observed_generation=int(obj.get("observedGeneration") or 0),
+            mig=tuple(_mig_from_wire(i) for i in (obj.get("mig") or {}).get("instances") or []),
         )
 
     def to_wire(self) -> Obj:
@@ -463,6 +467,13 @@ class DeviceStatus:
             out["lastSeenAt"] = format_time_precise(self.last_seen_at)
         if self.observed_generation:
             out["observedGeneration"] = self.observed_generation
+        if self.mig:
+            profiles = ", ".join(i.label for i in self.mig)
+            out["mig"] = {
+                "enabled": True,
+                "summary": f"{len(self.mig)} GPU instances: {profiles}",
+                "instances": [_mig_to_wire(i) for i in self.mig],
+            }
         return out
 
     def condition(self, kind: str) -> Condition | None:
@@ -519,4 +530,24 @@ class GpuDevice:
             sampled_at=self.status.sampled_at,
             healthy=self.status.state != "Unhealthy",
             missing=self.status.state == DeviceState.MISSING.value,
+            mig=self.status.mig,
         )
+
+
+def _mig_to_wire(instance: MigInstance) -> Obj:
+    out: Obj = {"profile": instance.profile, "instanceID": instance.instance_id}
+    if instance.used_mib is not None:
+        out["usedMiB"] = instance.used_mib
+    if instance.free_mib is not None:
+        out["freeMiB"] = instance.free_mib
+    return out
+
+
+def _mig_from_wire(obj: Obj) -> MigInstance:
+    used, free = obj.get("usedMiB"), obj.get("freeMiB")
+    return MigInstance(
+        profile=str(obj.get("profile", "")),
+        instance_id=int(obj.get("instanceID", 0)),
+        used_mib=int(used) if used is not None else None,
+        free_mib=int(free) if free is not None else None,
+    )

@@ -12,11 +12,12 @@ from tests.unit.fake_kube import FakeKube, fed_state
 from vramshare.controller.devices import InventoryLoop
 from vramshare.controller.metrics import ControllerMetrics
 from vramshare.controller.settings import ControllerSettings
+from vramshare.dcgm_series import DcgmReading
 from vramshare.domain import Accounting
 from vramshare.domain.inventory import Sample
 from vramshare.kube.objects import GpuDevice
 from vramshare.kube.resources import devices_path
-from vramshare.prometheus import DcgmReading, PrometheusUnavailableError
+from vramshare.prometheus import PrometheusUnavailableError
 
 SAMPLE = Sample(
     uuid="GPU-A",
@@ -40,7 +41,7 @@ class Source:
     async def read(self) -> DcgmReading:
         if self.down:
             raise PrometheusUnavailableError("connection refused")
-        return DcgmReading(samples=self.samples, skipped=[])
+        return DcgmReading(samples=self.samples)
 
 
 @contextlib.asynccontextmanager
