@@ -156,6 +156,9 @@ class ClusterSettings:
     """Where certificates, data and logs go; a fresh temporary folder when None."""
     keep_workdir: bool = False
     scrape_interval_s: float = 1.0
+    scrape_jobs: int = 1
+    """Scrape jobs on the one exporter: 2 is how a ServiceMonitor beside an annotation-based job
+    duplicates every series (under another `job` label)."""
     with_scheduler: bool = True
     with_controller_manager: bool = True
     with_kwok: bool = True
@@ -443,9 +446,10 @@ class LocalCluster:
                         },
                         "scrape_configs": [
                             {
-                                "job_name": "dcgm-exporter",
+                                "job_name": "dcgm-exporter" + (f"-{n}" if n else ""),
                                 "static_configs": [{"targets": [f"127.0.0.1:{p['exporter']}"]}],
                             }
+                            for n in range(self.settings.scrape_jobs)
                         ],
                     }
                 )
@@ -556,8 +560,9 @@ class LocalCluster:
         return all(node.name in ready for node in self.settings.fleet.nodes)
 
     def _prometheus_has_fleet(self) -> bool:
-        series = self.prometheus_query("DCGM_FI_DEV_FB_FREE")
-        return len(series) == len(self.settings.fleet.all_gpus())
+        """Every GPU's series from every scrape job, whichever exporter family the fleet writes as."""
+        series = self.prometheus_query('group by (UUID, job) ({__name__=~"DCGM_.+", UUID!=""})')
+        return len(series) == len(self.settings.fleet.all_gpus()) * self.settings.scrape_jobs
 
     def prometheus_query(self, promql: str) -> list[dict[str, Any]]:
         url = f"{self.prometheus_url}/api/v1/query?" + urllib.parse.urlencode({"query": promql})

@@ -98,15 +98,21 @@ def node_labels(node_label: str) -> tuple[str, ...]:
 def promql(*, selector: str = "", node_label: str = AUTO) -> str:
     """One query for a whole reading: every framebuffer series (tagged with its metric name), its
     sample time, and one marker per MIG GPU instance (any DCGM metric carrying GPU_I_ID, for exporters
-    that omit the framebuffer fields of instances). Evaluated at one time, so all parts agree."""
+    that omit the framebuffer fields of instances). Evaluated at one time, so all parts agree.
+
+    `timestamp()` gives a sample's own time only when applied to a plain selector (of anything else
+    it gives the evaluation time), and a selector over several names would leave series that differ
+    only in their dropped name: so each metric's times are a part of their own."""
     extra = f",{selector}" if selector else ""
     names = "|".join(METRICS)
-    values = f'label_replace({{__name__=~"{names}"{extra}}}, "{METRIC_LABEL}", "$1", "__name__", "(.+)")'
-    times = f'label_replace(timestamp({values}), "{PART_LABEL}", "timestamp", "", "")'
+    parts = [f'label_replace({{__name__=~"{names}"{extra}}}, "{METRIC_LABEL}", "$1", "__name__", "(.+)")']
+    for metric in METRICS:
+        tagged = f'label_replace(timestamp({metric}{{{selector}}}), "{METRIC_LABEL}", "{metric}", "", "")'
+        parts.append(f'label_replace({tagged}, "{PART_LABEL}", "timestamp", "", "")')
     keep = ", ".join(dict.fromkeys((*UUID_LABELS, INSTANCE_ID, INSTANCE_PROFILE, *node_labels(node_label))))
     marker = f'{{__name__=~"DCGM_.+",{INSTANCE_ID}!=""{extra}}}'
-    instances = f'label_replace(group by ({keep}) ({marker}), "{PART_LABEL}", "mig", "", "")'
-    return f"{values} or {times} or {instances}"
+    parts.append(f'label_replace(group by ({keep}) ({marker}), "{PART_LABEL}", "mig", "", "")')
+    return " or ".join(parts)
 
 
 class Cause(StrEnum):

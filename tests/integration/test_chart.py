@@ -392,6 +392,7 @@ def test_alerts_read_metrics_vramshare_exports_and_helm_test_checks_the_webhook(
         "VramshareNoLeader",
         "VramshareInventoryStale",
         "VramshareGpuOverused",
+        "VramshareDcgmSeriesUnusable",
     }
     exported = set()
     for registry in (ControllerMetrics().registry, WebhookMetrics().registry):

@@ -223,7 +223,7 @@ def test_fb_reserved_absent_is_none() -> None:
 
 def test_the_query_carries_the_selector_and_every_metric_name() -> None:
     query = promql(selector='job="dcgm"', node_label="node")
-    assert query.count('job="dcgm"') == 3  # values, their times, the MIG markers
+    assert query.count('job="dcgm"') == 10  # the values, each metric's times, the MIG markers
     assert "DCGM_FI_DEV_FB_CAPACITY_BYTES" in query
     assert "DCGM_FI_DEV_FB_FREE|" in query
     assert "group by (UUID, uuid, GPU_I_ID, GPU_I_PROFILE, node)" in query

@@ -186,14 +186,16 @@ class InventoryLoop:
             self._causes_logged.discard(cause)
             log.info("DCGM series usable again", cause=cause.value)
 
-    def _on_known_nodes(self, samples: list[Sample], nodes: set[str], known: set[str]) -> list[Unusable]:
-        """Newly seen GPUs whose node label names no Kubernetes node (an exporter that writes its pod's
-        name there, a wrong node_label) are left out, with why; known GPUs go Missing as before."""
+    def _on_known_nodes(self, samples: list[Sample], nodes: set[str]) -> list[Unusable]:
+        """Samples whose node label names no Kubernetes node (an exporter that writes its pod's name
+        there, a wrong node_label) are left out, with why: a new GPU is not created on a node that does
+        not exist, and a known one is judged as unreported (Stale, like an exporter outage; Missing if
+        its own node is gone), never moved to a phantom node."""
         if not nodes:  # no Node objects at all: nothing to compare with
             return []
         out = []
         for s in samples:
-            if s.uuid not in known and s.node not in nodes:
+            if s.node not in nodes:
                 shown = ", ".join(sorted(nodes)[:5]) + (", ..." if len(nodes) > 5 else "")
                 out.append(
                     Unusable(
@@ -224,7 +226,7 @@ class InventoryLoop:
                 known.append(Known(gpu=gpu, last_seen_at=seen, drift=self._drift.get(gpu.uuid)))
         samples = reading.samples if reading else []
         unusable = list(reading.unusable) if reading else []
-        strangers = self._on_known_nodes(samples, nodes, set(by_uuid))
+        strangers = self._on_known_nodes(samples, nodes)
         if strangers:
             unusable += strangers
             left_out = {u.detail.split(":", 1)[0] for u in strangers}
