@@ -200,90 +200,118 @@ def _figures(metrics: Mapping[str, tuple[float, float]], labels: Mapping[str, st
     return f"incomplete series ({', '.join(sorted(metrics)) or 'none'}): FB free and used are both needed"
 
 
-def _freshest(identity: str, sources: list[_Figures], unusable: list[Unusable]) -> _Figures:
+def _freshest(identity: str, sources: list[_Figures], notes: _Notes) -> _Figures:
     newest = max(f.at for f in sources)
     tied = [f for f in sources if f.at == newest]
     chosen = min(tied, key=lambda f: (f.free, -f.used))
     figures = {(f.free, f.used, f.reserved, f.capacity) for f in tied}
     if len(figures) > 1:
         shown = "; ".join(f"free {f[0]} used {f[1]} MiB" for f in sorted(figures, key=str))
-        unusable.append(
-            Unusable(
-                cause=Cause.CONFLICT,
-                detail=f"{identity}: {len(tied)} series at the same time disagree ({shown}); the one with "
-                "the least free memory is used. Check for two exporters or Prometheus replicas with "
-                "different data",
-            )
+        notes.add(
+            Cause.CONFLICT,
+            identity,
+            f"{identity}: {len(tied)} series at the same time disagree ({shown}); the one with the least "
+            "free memory is used. Check for two exporters or Prometheus replicas with different data",
         )
     return chosen
+
+
+Labels = frozenset[tuple[str, str]]
+Identity = tuple[str, int | None]
+"""A GPU (UUID, None) or one GPU instance of a MIG-enabled GPU (UUID, GPU_I_ID)."""
+
+
+@dataclass(slots=True)
+class _Parts:
+    """The query's result split into its parts."""
+
+    values: dict[Labels, tuple[str, float]] = field(default_factory=dict)
+    """Series (labels without __name__) -> (metric, value)."""
+    times: dict[Labels, float] = field(default_factory=dict)
+    markers: dict[str, dict[int, str]] = field(default_factory=lambda: defaultdict(dict))
+    """UUID -> GPU_I_ID -> GPU_I_PROFILE, for every MIG instance any DCGM metric reports."""
+    marker_nodes: dict[str, str] = field(default_factory=dict)
+
+
+class _Notes:
+    """The unusable list, with each (cause, subject) once."""
+
+    def __init__(self) -> None:
+        self.items: list[Unusable] = []
+        self._seen: set[tuple[Cause, str]] = set()
+
+    def add(self, cause: Cause, subject: str, detail: str) -> None:
+        if (cause, subject) not in self._seen:
+            self._seen.add((cause, subject))
+            self.items.append(Unusable(cause=cause, detail=detail))
 
 
 def samples_from(
     results: Iterable[Mapping[str, Any]], *, node_label: str = AUTO, evaluated_at: float = 0.0
 ) -> DcgmReading:
     """One Sample per GPU from the result of `promql()` (a list of {"metric": labels, "value": [t, v]})."""
-    unusable: list[Unusable] = []
-    values: dict[frozenset[tuple[str, str]], tuple[str, float]] = {}
-    times: dict[frozenset[tuple[str, str]], float] = {}
-    markers: dict[str, dict[int, str]] = defaultdict(dict)
-    marker_nodes: dict[str, str] = {}
+    notes = _Notes()
+    parts = _split(results, node_label=node_label)
+    sources = _sources(parts, notes, evaluated_at=evaluated_at)
+    chosen = _choose(sources, notes)
+    samples = _assemble(chosen, parts, notes, node_label=node_label, evaluated_at=evaluated_at)
+    return DcgmReading(samples=samples, unusable=notes.items, evaluated_at=evaluated_at)
+
+
+def _split(results: Iterable[Mapping[str, Any]], *, node_label: str) -> _Parts:
+    parts = _Parts()
     for item in results:
         labels = dict(item["metric"])
         part = labels.pop(PART_LABEL, "")
         raw = float(item["value"][1])
         if part == "mig":
-            uuid = _uuid_of(labels)
-            instance = labels.get(INSTANCE_ID, "")
+            uuid, instance = _uuid_of(labels), labels.get(INSTANCE_ID, "")
             if uuid and instance.isdigit():
-                markers[uuid][int(instance)] = labels.get(INSTANCE_PROFILE, "")
+                parts.markers[uuid][int(instance)] = labels.get(INSTANCE_PROFILE, "")
                 node = _node_of(labels, node_label)
                 if node:
-                    marker_nodes[uuid] = node
+                    parts.marker_nodes[uuid] = node
             continue
         labels.pop("__name__", None)
         key = frozenset(labels.items())
         if part == "timestamp":
-            times[key] = raw
+            parts.times[key] = raw
         else:
-            values[key] = (labels.get(METRIC_LABEL, ""), raw)
+            parts.values[key] = (labels.get(METRIC_LABEL, ""), raw)
+    return parts
 
-    # identity (UUID, GPU instance) -> source (its labels bar the metric's) -> metric -> (value, time)
-    by_identity: dict[
-        tuple[str, int | None], dict[frozenset[tuple[str, str]], dict[str, tuple[float, float]]]
-    ]
-    by_identity = defaultdict(lambda: defaultdict(dict))
-    source_labels: dict[frozenset[tuple[str, str]], dict[str, str]] = {}
-    noted: set[tuple[Cause, str]] = set()
 
-    def note(cause: Cause, key: str, detail: str) -> None:
-        if (cause, key) not in noted:
-            noted.add((cause, key))
-            unusable.append(Unusable(cause=cause, detail=detail))
-
-    for key, (metric, value) in values.items():
+def _sources(
+    parts: _Parts, notes: _Notes, *, evaluated_at: float
+) -> dict[Identity, dict[Labels, dict[str, tuple[float, float]]]]:
+    """identity -> source (its labels, the metric's aside) -> metric -> (value, sample time)."""
+    out: dict[Identity, dict[Labels, dict[str, tuple[float, float]]]] = defaultdict(lambda: defaultdict(dict))
+    for key, (metric, value) in parts.values.items():
         labels = {k: v for k, v in key if k != METRIC_LABEL}
         uuid = _uuid_of(labels)
         if not uuid:
-            note(Cause.NO_UUID, metric, f"{metric} series without a UUID label: {_short(labels)}")
+            notes.add(Cause.NO_UUID, metric, f"{metric} series without a UUID label: {_short(labels)}")
             continue
         if math.isnan(value) or math.isinf(value) or value < 0:
-            note(Cause.NOT_A_NUMBER, uuid, f"{uuid}: {metric} is {value} (DCGM has no value)")
+            notes.add(Cause.NOT_A_NUMBER, uuid, f"{uuid}: {metric} is {value} (DCGM has no value)")
             continue
         instance = labels.get(INSTANCE_ID, "")
         identity = (uuid, int(instance) if instance.isdigit() else None)
-        source = frozenset(labels.items())
-        source_labels[source] = labels
-        sample_time = times.get(key)
-        if sample_time is None:  # a result without its timestamp part: not from promql()
-            sample_time = evaluated_at
-        by_identity[identity][source][metric] = (value, sample_time)
+        # A result without its timestamp part (not from promql()) counts as sampled when evaluated.
+        out[identity][frozenset(labels.items())][metric] = (value, parts.times.get(key, evaluated_at))
+    return out
 
-    chosen: dict[tuple[str, int | None], _Figures] = {}
-    for identity, sources in sorted(by_identity.items(), key=lambda kv: (kv[0][0], kv[0][1] or -1)):
+
+def _choose(
+    sources: Mapping[Identity, Mapping[Labels, Mapping[str, tuple[float, float]]]], notes: _Notes
+) -> dict[Identity, _Figures]:
+    """Each identity's freshest consistent source, whole."""
+    chosen = {}
+    for identity, by_source in sorted(sources.items(), key=lambda kv: (kv[0][0], kv[0][1] or -1)):
         name = identity[0] if identity[1] is None else f"{identity[0]} GPU instance {identity[1]}"
         usable, problems = [], []
-        for source, metrics in sources.items():
-            got = _figures(metrics, source_labels[source])
+        for source, metrics in by_source.items():
+            got = _figures(metrics, dict(source))
             if isinstance(got, str):
                 problems.append(got)
             else:
@@ -292,71 +320,76 @@ def samples_from(
             cause = (
                 Cause.INCONSISTENT if any("different scrapes" in p for p in problems) else Cause.INCOMPLETE
             )
-            note(cause, name, f"{name}: {problems[0]}")
+            notes.add(cause, name, f"{name}: {problems[0]}")
             continue
-        chosen[identity] = _freshest(name, usable, unusable)
+        chosen[identity] = _freshest(name, usable, notes)
+    return chosen
 
+
+def _assemble(
+    chosen: Mapping[Identity, _Figures], parts: _Parts, notes: _Notes, *, node_label: str, evaluated_at: float
+) -> list[Sample]:
+    """One Sample per UUID: a whole GPU's figures, or a MIG GPU's instances (and their sums)."""
     samples = []
-    uuids = sorted({uuid for uuid, _ in chosen} | set(markers))
-    for uuid in uuids:
+    for uuid in sorted({uuid for uuid, _ in chosen} | set(parts.markers)):
         whole = chosen.get((uuid, None))
-        parts = {i: f for (u, i), f in chosen.items() if u == uuid and i is not None}
-        profiles = dict(markers.get(uuid, {}))
-        for i, f in parts.items():
+        instances = {i: f for (u, i), f in chosen.items() if u == uuid and i is not None}
+        profiles = dict(parts.markers.get(uuid, {}))
+        for i, f in instances.items():
             profiles.setdefault(i, f.labels.get(INSTANCE_PROFILE, ""))
         mig = tuple(
             MigInstance(
                 profile=profiles[i],
                 instance_id=i,
-                used_mib=parts[i].used if i in parts else None,
-                free_mib=parts[i].free if i in parts else None,
+                used_mib=instances[i].used if i in instances else None,
+                free_mib=instances[i].free if i in instances else None,
             )
             for i in sorted(profiles)
         )
-        first = whole or (parts[min(parts)] if parts else None)
-        node = _node_of(first.labels, node_label) if first is not None else marker_nodes.get(uuid)
+        first = whole or (instances[min(instances)] if instances else None)
+        meta: Mapping[str, str] = first.labels if first is not None else {}
+        node = _node_of(meta, node_label) if first is not None else parts.marker_nodes.get(uuid)
         if node is None:
             names = " or ".join(repr(n) for n in node_labels(node_label))
-            seen: Mapping[str, str] = first.labels if first is not None else {}
-            note(
+            notes.add(
                 Cause.NO_NODE,
                 uuid,
-                f"{uuid}: no {names} label to map it to a node ({_short(seen)}); set node_label to the "
+                f"{uuid}: no {names} label to map it to a node ({_short(meta)}); set node_label to the "
                 "label that holds the Kubernetes node name",
             )
             continue
-        if whole is not None:
-            free, used, reserved, capacity, at = (
-                whole.free,
-                whole.used,
-                whole.reserved,
-                whole.capacity,
-                whole.at,
-            )
-        elif parts:
-            free = sum(f.free for f in parts.values())
-            used = sum(f.used for f in parts.values())
-            known_reserved = [f.reserved for f in parts.values() if f.reserved is not None]
-            reserved = sum(known_reserved) if known_reserved else None
-            capacity, at = None, min(f.at for f in parts.values())
-        else:  # instances with no framebuffer fields at all
-            free, used, reserved, capacity, at = 0, 0, None, None, evaluated_at
-        meta: Mapping[str, str] = first.labels if first is not None else {}
+        figures = whole or _summed(instances.values(), evaluated_at=evaluated_at)
         samples.append(
             Sample(
                 uuid=uuid,
                 node=node,
                 index=int(meta["gpu"]) if meta.get("gpu", "").isdigit() else 0,
                 model=meta.get("modelName", ""),
-                free_mib=free,
-                used_mib=used,
-                driver_reserved_mib=reserved,
-                sampled_at=at,
-                capacity_mib=capacity,
+                free_mib=figures.free,
+                used_mib=figures.used,
+                driver_reserved_mib=figures.reserved,
+                sampled_at=figures.at,
+                capacity_mib=figures.capacity,
                 mig=mig,
             )
         )
-    return DcgmReading(samples=samples, unusable=unusable, evaluated_at=evaluated_at)
+    return samples
+
+
+def _summed(instances: Iterable[_Figures], *, evaluated_at: float) -> _Figures:
+    """A MIG GPU's figures as its instances' sums (zero where the exporter gives instances none), as
+    old as its oldest instance's sample."""
+    listed = list(instances)
+    reserved = [f.reserved for f in listed if f.reserved is not None]
+    return _Figures(
+        at=min((f.at for f in listed), default=evaluated_at),
+        free=sum(f.free for f in listed),
+        used=sum(f.used for f in listed),
+        reserved=sum(reserved) if reserved else None,
+        capacity=None,
+        labels={},
+        family=listed[0].family if listed else "",
+    )
 
 
 def _short(labels: Mapping[str, str]) -> str:

@@ -19,6 +19,7 @@ from typing import Any
 import yaml
 
 from vramshare.domain import ReservationPhase
+from vramshare.domain.models import mig_summary
 from vramshare.kube.client import Connection, KubeClient, list_all
 from vramshare.kube.objects import GpuDevice, GpuReservation
 from vramshare.kube.resources import devices_path, reservations_path
@@ -38,6 +39,8 @@ class GpuRow:
     reserved_mib: int
     headroom_mib: int
     sample_age_s: float | None
+    mig: str = ""
+    """A MIG-enabled GPU's instances, e.g. "2 GPU instances: 3g.20gb (GI 1), 3g.20gb (GI 2)"."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -78,6 +81,7 @@ def from_objects(devices: list[dict[str, Any]], reservations: list[dict[str, Any
                 reserved_mib=st.reserved_mib if st else 0,
                 headroom_mib=st.headroom_mib if st else 0,
                 sample_age_s=None if st is None else max(0.0, now - st.sampled_at),
+                mig=mig_summary(st.mig) if st is not None and st.mig else "",
             )
         )
     rows = []
@@ -164,7 +168,7 @@ def render(status: Status, *, all_phases: bool = True, wide: bool = False) -> st
             str(g.used_mib),
             str(g.reserved_mib),
             str(max(g.headroom_mib, 0)),
-            g.state,
+            f"{g.state}, MIG" if g.mig else g.state,
             age(g.sample_age_s),
             f"[{bar(g)}]",
         ]

@@ -14,7 +14,7 @@ import pytest
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
-from vramshare.kube.resources import ANNOTATION_GPU_UUID
+from vramshare.kube.resources import ANNOTATION_GPU_UUID, ANNOTATION_RESERVATION
 from vramshare_e2e.cluster import ClusterSettings, LocalCluster, eventually
 from vramshare_e2e.components import metric, start_controller, start_webhook, webhook_configuration
 from vramshare_e2e.fleet import FakeGpu, FakeNode, Fleet, stable_gpu_uuid
@@ -81,6 +81,14 @@ def devices(cluster: LocalCluster) -> dict[str, dict[str, Any]]:
     return {d["spec"]["uuid"]: d for d in items}
 
 
+def phase(cluster: LocalCluster, name: str) -> str:
+    """The booking's phase; "gone" once deleted (with its pod, through the ownerReference)."""
+    found = json.loads(cluster.kubectl("get", "gpureservations", "-n", "jobs", "-o", "json"))["items"]
+    return next(
+        (b.get("status", {}).get("phase", "") for b in found if b["metadata"]["name"] == name), "gone"
+    )
+
+
 def unusable(port: int, cause: str) -> float | None:
     return metric(port, f'vramshare_dcgm_series_unusable{{cause="{cause}"}}')
 
@@ -117,7 +125,9 @@ def test_two_scrape_jobs_give_one_gpudevice_per_gpu_with_the_fleets_figures(
 
 
 @pytest.mark.parametrize("flavour", ["4.6.0-4.8.3", "dcgm-4.7-bytes", "4.5.3-4.8.2"])
-def test_each_exporter_family_reads_as_the_same_fleet(stack: tuple[LocalCluster, int], flavour: str) -> None:
+def test_each_exporter_family_reads_as_the_same_fleet(
+    stack: tuple[LocalCluster, int], core: client.CoreV1Api, flavour: str
+) -> None:
     cluster, port = stack
     cluster.exporter.set_flavour(flavour)
     used = {"4.6.0-4.8.3": 1_111, "dcgm-4.7-bytes": 2_222, "4.5.3-4.8.2": 3_333}[flavour]
@@ -139,6 +149,13 @@ def test_each_exporter_family_reads_as_the_same_fleet(stack: tuple[LocalCluster,
     assert len(d) == 3
     assert unusable(port, "conflicting-duplicates") == 0
     assert unusable(port, "total-drift") == 0
+    # The webhook places by these figures: 30 000 MiB fits only the whole A100 (40 448 - used - margin).
+    placed = core.create_namespaced_pod("jobs", pod(f"large-{flavour.replace('.', '-')}", 30_000))
+    assert placed.metadata.annotations[ANNOTATION_GPU_UUID] == A100
+    booking = placed.metadata.annotations[ANNOTATION_RESERVATION]
+    eventually(lambda: phase(cluster, booking) == "Bound", what="the booking Bound")
+    core.delete_namespaced_pod(placed.metadata.name, "jobs", grace_period_seconds=0)
+    eventually(lambda: phase(cluster, booking) in ("Released", "gone"), what="the booking released")
 
 
 def test_a_mig_gpu_is_shown_with_its_instances_and_never_handed_out(
@@ -155,7 +172,7 @@ def test_a_mig_gpu_is_shown_with_its_instances_and_never_handed_out(
     ]
     assert mig["headroomMiB"] == 0
     assert (
-        "MIG enabled with 2 GPU instances"
+        "MIG enabled (2 GPU instances: 3g.20gb (GI 1), 3g.20gb (GI 2)): not handed to pods"
         in next(c for c in mig["conditions"] if c["type"] == "Ready")["message"]
     )
     table = cluster.kubectl("get", "gpudevices")

@@ -176,3 +176,16 @@ def test_wide_and_yaml_outputs() -> None:
     data = yaml.safe_load(output(status, fmt="yaml"))
     assert data == json.loads(output(status, fmt="json"))
     assert data["reservations"][0]["name"] == "train-abc"
+
+
+def test_a_mig_gpu_says_so_in_the_table_and_the_json() -> None:
+    mig = json.loads(json.dumps(DEVICE))
+    mig["status"]["mig"] = {
+        "enabled": True,
+        "summary": "2 GPU instances: 3g.20gb (GI 1), 3g.20gb (GI 2)",
+        "instances": [{"profile": "3g.20gb", "instanceID": 1}, {"profile": "3g.20gb", "instanceID": 2}],
+    }
+    status = from_objects([mig], [], now=NOW)
+    assert "Ready, MIG" in render(status)
+    assert json.loads(to_json(status))["gpus"][0]["mig"] == "2 GPU instances: 3g.20gb (GI 1), 3g.20gb (GI 2)"
+    assert from_objects([DEVICE], [], now=NOW).gpus[0].mig == ""

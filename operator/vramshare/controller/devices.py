@@ -186,26 +186,55 @@ class InventoryLoop:
             self._causes_logged.discard(cause)
             log.info("DCGM series usable again", cause=cause.value)
 
-    def _on_known_nodes(self, samples: list[Sample], nodes: set[str]) -> list[Unusable]:
-        """Samples whose node label names no Kubernetes node (an exporter that writes its pod's name
-        there, a wrong node_label) are left out, with why: a new GPU is not created on a node that does
-        not exist, and a known one is judged as unreported (Stale, like an exporter outage; Missing if
-        its own node is gone), never moved to a phantom node."""
+    @staticmethod
+    def _on_kubernetes_nodes(samples: list[Sample], nodes: set[str]) -> tuple[list[Sample], list[Unusable]]:
+        """The samples on nodes that exist, and why the others are left out: a node label that names no
+        Kubernetes node (an exporter that writes its pod's name there, a wrong node_label) must not
+        create a GPU on a phantom node or move a known one there; a known GPU is judged as unreported
+        (Stale, as in an exporter outage; Missing if its own node is gone)."""
         if not nodes:  # no Node objects at all: nothing to compare with
-            return []
-        out = []
+            return samples, []
+        kept, out = [], []
+        shown = ", ".join(sorted(nodes)[:5]) + (", ..." if len(nodes) > 5 else "")
         for s in samples:
-            if s.node not in nodes:
-                shown = ", ".join(sorted(nodes)[:5]) + (", ..." if len(nodes) > 5 else "")
-                out.append(
-                    Unusable(
-                        cause=Cause.UNKNOWN_NODE,
-                        detail=f"{s.uuid}: its node label says {s.node!r}, which is not a Kubernetes node "
-                        f"({shown}). Exporters before 2023 wrote their own pod's name in Hostname: relabel "
-                        "the node name (e.g. from __meta_kubernetes_pod_node_name) into a label and set "
-                        "node_label to it",
-                    )
+            if s.node in nodes:
+                kept.append(s)
+                continue
+            out.append(
+                Unusable(
+                    cause=Cause.UNKNOWN_NODE,
+                    detail=f"{s.uuid}: its node label says {s.node!r}, which is not a Kubernetes node "
+                    f"({shown}). Exporters before 2023 wrote their own pod's name in Hostname: relabel "
+                    "the node name (e.g. from __meta_kubernetes_pod_node_name) into a label and set "
+                    "node_label to it",
                 )
+            )
+        return kept, out
+
+    def _report_totals(self, statuses: list[Judged], known: list[Known]) -> list[Unusable]:
+        """Log each rejected reading's first rejection and each new total taken; the rejections as
+        unusable readings."""
+        before = {k.gpu.uuid: k for k in known}
+        out = []
+        for j in statuses:
+            previous = before.get(j.gpu.uuid)
+            if j.rejected:
+                out.append(Unusable(cause=Cause.TOTAL_DRIFT, detail=f"{j.gpu.uuid}: {j.rejected}"))
+                if j.drift is not None and j.drift.readings == 1:
+                    log.warning("DCGM reading rejected", uuid=j.gpu.uuid, node=j.gpu.node, why=j.rejected)
+            elif (
+                previous is not None
+                and previous.drift is not None
+                and previous.gpu.total_mib != j.gpu.total_mib
+            ):
+                log.info(
+                    "GPU total changed",
+                    uuid=j.gpu.uuid,
+                    node=j.gpu.node,
+                    total_mib=j.gpu.total_mib,
+                    previous_mib=previous.gpu.total_mib,
+                )
+        self._drift = {j.gpu.uuid: j.drift for j in statuses if j.drift is not None}
         return out
 
     async def poll(self) -> list[Judged]:
@@ -224,13 +253,7 @@ class InventoryLoop:
                 # leader's own memory of the last sighting is newer.
                 seen = max(device.status.last_seen_at, self._last_seen.get(gpu.uuid, 0.0))
                 known.append(Known(gpu=gpu, last_seen_at=seen, drift=self._drift.get(gpu.uuid)))
-        samples = reading.samples if reading else []
-        unusable = list(reading.unusable) if reading else []
-        strangers = self._on_known_nodes(samples, nodes)
-        if strangers:
-            unusable += strangers
-            left_out = {u.detail.split(":", 1)[0] for u in strangers}
-            samples = [s for s in samples if s.uuid not in left_out]
+        samples, strangers = self._on_kubernetes_nodes(reading.samples if reading else [], nodes)
         statuses = observe(
             known=known,
             samples=samples,
@@ -239,14 +262,9 @@ class InventoryLoop:
             now=now,
             settings=self.settings.inventory,
         )
-        self._drift = {j.gpu.uuid: j.drift for j in statuses if j.drift is not None}
-        unusable += [
-            Unusable(cause=Cause.TOTAL_DRIFT, detail=f"{j.gpu.uuid}: {j.rejected}")
-            for j in statuses
-            if j.rejected
-        ]
+        drifting = self._report_totals(statuses, known)
         if reading is not None:
-            self._report_unusable(unusable)
+            self._report_unusable([*reading.unusable, *strangers, *drifting])
         gone = to_forget(statuses, reservations=reservations, now=now, settings=self.settings.inventory)
         for judged in statuses:
             recorded = by_uuid.get(judged.gpu.uuid)

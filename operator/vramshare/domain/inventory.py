@@ -20,7 +20,7 @@ from enum import StrEnum
 
 from vramshare.domain.accounting import Accounting, StaleGpuMode
 from vramshare.domain.headroom import Headroom, headroom
-from vramshare.domain.models import Gpu, MigInstance, Reservation
+from vramshare.domain.models import Gpu, MigInstance, Reservation, mig_summary
 
 
 class DeviceState(StrEnum):
@@ -164,10 +164,7 @@ def observe(
         if rejected and state is not DeviceState.MISSING:
             message = f"{message}; {rejected}"
         if gpu.mig_enabled and state is not DeviceState.MISSING:
-            message = (
-                f"{message}; MIG enabled with {len(gpu.mig)} GPU instances "
-                f"({', '.join(i.label for i in gpu.mig)}): not handed to pods"
-            )
+            message = f"{message}; MIG enabled ({mig_summary(gpu.mig)}): not handed to pods"
         gpu = replace(gpu, missing=state is DeviceState.MISSING)
         room = headroom(
             gpu,

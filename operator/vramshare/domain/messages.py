@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections import Counter
 
 from vramshare.domain.allocation import Exclusion, GpuVerdict, Refusal
+from vramshare.domain.models import mig_summary
 
 MAX_GPUS_LISTED = 8
 
@@ -34,10 +35,9 @@ def describe_verdict(verdict: GpuVerdict, *, max_sample_age_s: float) -> str:
         case Exclusion.UNHEALTHY:
             why = "unhealthy"
         case Exclusion.MIG_ENABLED:
-            instances = ", ".join(i.label for i in gpu.mig)
             why = (
-                f"MIG enabled ({len(gpu.mig)} GPU instances: {instances}); vramshare hands out whole GPUs "
-                "by UUID and DCGM does not name the instances' MIG device UUIDs"
+                f"MIG enabled ({mig_summary(gpu.mig)}); vramshare hands out whole GPUs by UUID and DCGM "
+                "does not name the instances' MIG device UUIDs"
             )
         case Exclusion.OTHER_MODEL:
             why = f"model {gpu.model} is not the one asked for"

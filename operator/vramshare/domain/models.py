@@ -58,6 +58,11 @@ class MigInstance:
         return f"{self.profile} (GI {self.instance_id})"
 
 
+def mig_summary(instances: tuple[MigInstance, ...]) -> str:
+    """How people are shown a MIG GPU, e.g. "2 GPU instances: 3g.20gb (GI 1), 3g.20gb (GI 2)"."""
+    return f"{len(instances)} GPU instances: {', '.join(i.label for i in instances)}"
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Gpu:
     """One physical GPU as the inventory knows it.

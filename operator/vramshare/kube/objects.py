@@ -15,7 +15,7 @@ from typing import Any, Self
 
 from vramshare.domain import Gpu, Reservation, ReservationPhase
 from vramshare.domain.inventory import DeviceState
-from vramshare.domain.models import MigInstance
+from vramshare.domain.models import MigInstance, mig_summary
 from vramshare.kube.resources import (
     API_VERSION,
     LABEL_ACTIVE,
@@ -468,10 +468,9 @@ class DeviceStatus:
         if self.observed_generation:
             out["observedGeneration"] = self.observed_generation
         if self.mig:
-            profiles = ", ".join(i.label for i in self.mig)
             out["mig"] = {
                 "enabled": True,
-                "summary": f"{len(self.mig)} GPU instances: {profiles}",
+                "summary": mig_summary(self.mig),
                 "instances": [_mig_to_wire(i) for i in self.mig],
             }
         return out

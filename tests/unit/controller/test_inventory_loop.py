@@ -173,3 +173,55 @@ async def test_status_and_conditions_say_which_generation_they_describe() -> Non
         assert device.meta.generation == 2
         assert device.status is not None
         assert device.status.observed_generation == 2
+
+
+def unusable_count(inventory: InventoryLoop, cause: str) -> float:
+    return float(inventory.metrics.unusable_series.labels(cause)._value.get())
+
+
+async def test_a_gpu_on_a_node_that_does_not_exist_is_left_out_and_counted() -> None:
+    now = [NOW + 1]
+    phantom = replace(SAMPLE, uuid="GPU-P", node="nvidia-dcgm-exporter-x7k2p")
+    async with loop(Source(SAMPLE, phantom), now) as (kube, inventory):
+        await inventory.poll()
+        assert devices_path("gpu-p") not in kube.objects  # not created on a phantom node
+        assert devices_path("gpu-a") in kube.objects
+        assert unusable_count(inventory, "unknown-node") == 1
+        assert unusable_count(inventory, "incomplete") == 0
+
+
+async def test_a_known_gpu_whose_label_turns_to_a_phantom_node_is_not_moved_there() -> None:
+    now = [NOW + 1]
+    source = Source(SAMPLE)
+    async with loop(source, now) as (kube, inventory):
+        await inventory.poll()
+        source.samples = [replace(SAMPLE, node="nvidia-dcgm-exporter-x7k2p", sampled_at=NOW + 5)]
+        now[0] = NOW + 6
+        await inventory.poll()
+        device = GpuDevice.from_wire(kube.objects[devices_path("gpu-a")])
+        assert device.spec.node_name == "node-a"
+        assert device.status is not None
+        assert device.status.sampled_at == NOW  # the phantom sample was not taken
+        assert unusable_count(inventory, "unknown-node") == 1
+
+
+async def test_a_drifting_total_is_rejected_counted_and_taken_after_three_readings() -> None:
+    now = [NOW + 1]
+    source = Source(SAMPLE)
+    async with loop(source, now) as (kube, inventory):
+        await inventory.poll()
+        grown = replace(SAMPLE, free_mib=26_000, sampled_at=NOW + 2)  # sums to 26 384, not 16 384
+        source.samples = [grown]
+        for n in (1, 2):
+            now[0] = NOW + 2 + n
+            await inventory.poll()
+            device = GpuDevice.from_wire(kube.objects[devices_path("gpu-a")])
+            assert device.status is not None
+            assert device.status.total_mib == 16_384
+            assert unusable_count(inventory, "total-drift") == 1
+        now[0] = NOW + 5
+        await inventory.poll()
+        device = GpuDevice.from_wire(kube.objects[devices_path("gpu-a")])
+        assert device.status is not None
+        assert device.status.total_mib == 26_384
+        assert unusable_count(inventory, "total-drift") == 0

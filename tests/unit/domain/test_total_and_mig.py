@@ -133,7 +133,7 @@ def test_a_mig_gpu_has_no_headroom_and_says_why() -> None:
     assert status.state is DeviceState.READY
     assert status.headroom.headroom_mib == 0
     assert status.overused_mib == 0
-    assert "MIG enabled with 2 GPU instances (3g.20gb (GI 1), 3g.20gb (GI 2))" in status.message
+    assert "MIG enabled (2 GPU instances: 3g.20gb (GI 1), 3g.20gb (GI 2))" in status.message
 
 
 def test_a_mig_gpu_is_never_chosen_and_the_refusal_names_mig() -> None:
