@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# Builds the local control plane's binaries (etcd, kube-apiserver, kube-controller-manager,
-# kube-scheduler, kubectl, kwok, helm) from their Go modules, pinned by the wrapper modules beside
-# this script, into a cache outside the repository keyed by the wrapper's go.mod/go.sum and the Go
-# version. A warm cache makes this a no-op; a cold one builds once, printing progress.
+# Builds the local cluster's binaries from their Go modules, pinned by the wrapper modules beside this
+# script, into a cache outside the repository keyed by the wrapper's go.mod/go.sum (and own sources)
+# and the Go version. A warm cache makes this a no-op; a cold one builds once, printing progress.
+#   control plane: etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kubectl, kwok, helm
+#   real nodes:    kubelet (with the control plane), containerd + shim + ctr, runc (cgo, seccomp),
+#                  the CNI loopback plugin and ours (cni-loopback), crictl, pause
 #
-# Usage: e2e/tools/build.sh [tool...]   (tools: kubernetes etcd kwok helm krew; default: all)
+# Usage: e2e/tools/build.sh [tool...]
+#   (tools: etcd kubernetes kwok helm krew containerd runc cni crictl pause cni-loopback; default: all)
 # Prints nothing on stdout but the bin directory on its last line, so callers can capture it.
 set -euo pipefail
 
@@ -19,8 +22,21 @@ log() { printf '[vramshare build] %s\n' "$*" >&2; }
 # The version a wrapper pins, read from its require line.
 pinned() { awk -v m="$2" '$1 == m {print $2; exit} $1 == "require" && $2 == m {print $3; exit}' "$here/$1/go.mod"; }
 
+# runc links libseccomp through cgo; Debian's libseccomp-dev provides it (installed here when root).
+need_libseccomp() {
+  pkg-config --exists libseccomp 2>/dev/null && return 0
+  if [[ $(id -u) != 0 ]]; then
+    log "runc needs libseccomp: run sudo apt-get install --no-install-recommends libseccomp-dev pkg-config"
+    exit 1
+  fi
+  log "installing libseccomp-dev and pkg-config from Debian's packages (once, for runc)"
+  DEBIAN_FRONTEND=noninteractive apt-get update -qq >/dev/null
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends libseccomp-dev pkg-config >/dev/null
+}
+
 build_one() {
-  local tool=$1 ldflags="" packages=() outputs=()
+  # cgo: "" keeps the environment's CGO_ENABLED (the control plane's builds); tags: Go build tags.
+  local tool=$1 ldflags="" packages=() outputs=() cgo="" tags="" dest="$bin_dir"
   case $tool in
     kubernetes)
       local v; v=$(pinned kubernetes k8s.io/kubernetes)
@@ -30,8 +46,28 @@ build_one() {
         ldflags+=" -X $pkg.gitVersion=$v -X $pkg.gitMajor=1 -X $pkg.gitMinor=$minor -X $pkg.gitTreeState=clean"
       done
       packages=(k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager
-                k8s.io/kubernetes/cmd/kube-scheduler k8s.io/kubernetes/cmd/kubectl)
-      outputs=(kube-apiserver kube-controller-manager kube-scheduler kubectl);;
+                k8s.io/kubernetes/cmd/kube-scheduler k8s.io/kubernetes/cmd/kubectl k8s.io/kubernetes/cmd/kubelet)
+      outputs=(kube-apiserver kube-controller-manager kube-scheduler kubectl kubelet);;
+    containerd)
+      local cv; cv=$(pinned containerd github.com/containerd/containerd/v2)
+      ldflags="-X github.com/containerd/containerd/v2/version.Version=$cv"
+      packages=(github.com/containerd/containerd/v2/cmd/containerd
+                github.com/containerd/containerd/v2/cmd/containerd-shim-runc-v2
+                github.com/containerd/containerd/v2/cmd/ctr)
+      outputs=(containerd containerd-shim-runc-v2 ctr); cgo=0;;
+    runc)
+      need_libseccomp
+      ldflags="-X main.version=$(pinned runc github.com/opencontainers/runc | sed 's/^v//')"
+      packages=(github.com/opencontainers/runc); outputs=(runc); cgo=1; tags=seccomp;;
+    cni)
+      packages=(github.com/containernetworking/plugins/plugins/main/loopback); outputs=(loopback)
+      dest="$bin_dir/cni"; cgo=0;;
+    crictl)
+      packages=(sigs.k8s.io/cri-tools/cmd/crictl); outputs=(crictl); cgo=0;;
+    pause)
+      packages=(vramshare.io/e2e/tools/pause); outputs=(pause); cgo=0;;  # static: the image has no libc
+    cni-loopback)
+      packages=(vramshare.io/e2e/tools/cni-loopback); outputs=(cni-loopback); dest="$bin_dir/cni"; cgo=0;;
     etcd)
       packages=(go.etcd.io/etcd/server/v3); outputs=(etcd);;
     kwok)
@@ -50,11 +86,13 @@ build_one() {
   # Keyed by what decides the binaries: the pinned modules, the packages and the flags (not the rest
   # of this script, so adding a tool rebuilds no other).
   local key
-  key=$( (cat "$here/$tool/go.mod" "$here/$tool/go.sum"; echo "${packages[*]} ${outputs[*]} $ldflags") |
-    sha256sum | cut -c1-12)
+  local build_env=""
+  [[ -z $cgo && -z $tags ]] || build_env=" cgo=$cgo tags=$tags"
+  key=$( (cat "$here/$tool/go.mod" "$here/$tool/go.sum" "$here/$tool"/*.go 2>/dev/null || true
+          echo "${packages[*]} ${outputs[*]} $ldflags$build_env") | sha256sum | cut -c1-12)
   local stamp="$bin_dir/.$tool-$go_version-$key"
   local all_there=1
-  for o in "${outputs[@]}"; do [[ -x "$bin_dir/$o" ]] || all_there=0; done
+  for o in "${outputs[@]}"; do [[ -x "$dest/$o" ]] || all_there=0; done
   if [[ -f "$stamp" && $all_there == 1 ]]; then
     return 0
   fi
@@ -62,12 +100,14 @@ build_one() {
   local start=$SECONDS tmp
   tmp=$(mktemp -d "$cache_root/.build-$tool.XXXX")
   # -v names every package as it is compiled: count them for a progress line.
-  (cd "$here/$tool" && go build -v -trimpath -ldflags "-s -w $ldflags" -o "$tmp/" "${packages[@]}") 2>&1 |
+  (cd "$here/$tool" && CGO_ENABLED=${cgo:-$(go env CGO_ENABLED)} go build -v -trimpath -tags "$tags" \
+    -ldflags "-s -w $ldflags" -o "$tmp/" "${packages[@]}") 2>&1 |
     awk -v t="$tool" '/^(go: |# )|\.go:[0-9]+/ {print > "/dev/stderr"; next}
                       {n++; if (n % 200 == 0) printf "[vramshare build] %s: %d packages compiled\n", t, n > "/dev/stderr"}'
   if [[ ${PIPESTATUS[0]} != 0 ]]; then log "building $tool failed"; exit 1; fi
   if [[ $tool == etcd ]]; then mv "$tmp/server" "$tmp/etcd"; fi
-  for o in "${outputs[@]}"; do mv -f "$tmp/$o" "$bin_dir/$o"; done
+  mkdir -p "$dest"
+  for o in "${outputs[@]}"; do mv -f "$tmp/$o" "$dest/$o"; done
   rm -rf "$tmp"
   rm -f "$bin_dir/.$tool-"*
   touch "$stamp"
@@ -76,6 +116,6 @@ build_one() {
 
 mkdir -p "$bin_dir"
 tools=("$@")
-[[ ${#tools[@]} -gt 0 ]] || tools=(etcd kubernetes kwok helm krew)
+[[ ${#tools[@]} -gt 0 ]] || tools=(etcd kubernetes kwok helm krew containerd runc cni crictl pause cni-loopback)
 for t in "${tools[@]}"; do build_one "$t"; done
 echo "$bin_dir"

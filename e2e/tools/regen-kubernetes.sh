@@ -11,7 +11,7 @@ dir=$(cd "$(dirname "$0")/kubernetes" && pwd)
 export GOTOOLCHAIN=local
 upstream=$(go mod download -json "k8s.io/kubernetes@$version" | python3 -c 'import json,sys; print(json.load(sys.stdin)["GoMod"])')
 {
-  echo "// Wrapper module that builds the control-plane binaries of k8s.io/kubernetes $version."
+  echo "// Wrapper module that builds the control-plane and node binaries of k8s.io/kubernetes $version."
   echo "// Upstream maps its staging modules with relative replaces that a dependent module ignores,"
   echo "// so each is pinned here to the matching published v0 release. Regenerate with e2e/tools/regen-kubernetes.sh."
   echo "module vramshare.io/e2e/tools/kubernetes"
@@ -19,7 +19,7 @@ upstream=$(go mod download -json "k8s.io/kubernetes@$version" | python3 -c 'impo
   grep -E '^(go|godebug) ' "$upstream"
   echo
   echo "tool ("
-  for c in kube-apiserver kube-controller-manager kube-scheduler kubectl; do printf '\tk8s.io/kubernetes/cmd/%s\n' "$c"; done
+  for c in kube-apiserver kube-controller-manager kube-scheduler kubectl kubelet; do printf '\tk8s.io/kubernetes/cmd/%s\n' "$c"; done
   echo ")"
   echo
   echo "require k8s.io/kubernetes $version"

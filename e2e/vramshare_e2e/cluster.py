@@ -258,6 +258,8 @@ class LocalCluster:
         self.logs_dir.mkdir(exist_ok=True)
         self.pki_dir = self.workdir / "pki"
         self.components: dict[str, Component] = {}
+        self.cleanups: list[Callable[[], None]] = []
+        """Run at stop(), after the components: what outlives them (a real node's containers, mounts)."""
         self.ca = CertificateAuthority(self.pki_dir)
         self.sa_keys = service_account_keys(self.pki_dir)
         self.ports = {
@@ -525,6 +527,8 @@ class LocalCluster:
     def create_fake_nodes(self) -> None:
         nodes = []
         for node in self.settings.fleet.nodes:
+            if node.real:
+                continue  # its kubelet registers it (vramshare_e2e.node)
             nodes.append(
                 {
                     "apiVersion": "v1",
@@ -557,7 +561,7 @@ class LocalCluster:
                 for c in n.get("status", {}).get("conditions", [])
             )
         }
-        return all(node.name in ready for node in self.settings.fleet.nodes)
+        return all(node.name in ready for node in self.settings.fleet.nodes if not node.real)
 
     def _prometheus_has_fleet(self) -> bool:
         """Every GPU's series from every scrape job, whichever exporter family the fleet writes as."""
@@ -691,6 +695,8 @@ class LocalCluster:
         other here. Each gets SIGTERM and a few seconds, then SIGKILL."""
         with ThreadPoolExecutor(max_workers=max(1, len(self.components))) as pool:
             list(pool.map(lambda c: c.stop(timeout_s=4.0), reversed(list(self.components.values()))))
+        for cleanup in reversed(self.cleanups):  # what outlives its component (a real node's containers)
+            cleanup()
         if self._own_workdir and not self.settings.keep_workdir:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
@@ -732,8 +738,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     if args.prepare:
+        from vramshare_e2e.node import node_images  # here: vramshare_e2e.node imports this module
+
         try:
             say(f"control-plane binaries in {tools_bin_dir()}; Prometheus at {prometheus_binary()}")
+            say(f"real-node images: {', '.join(p.name for p in node_images())}")
         except ClusterError as exc:
             raise SystemExit(f"[vramshare cluster] {exc}") from None
         return

@@ -49,6 +49,8 @@ class FakeNode:
     name: str
     gpus: list[FakeGpu]
     labels: dict[str, str] = field(default_factory=dict)
+    real: bool = False
+    """A node a real kubelet runs (vramshare_e2e.node): not created for kwok; its GPUs are still fake."""
 
     def node_labels(self) -> dict[str, str]:
         """The labels a real GPU node carries (GPU feature discovery, kubelet), plus our own."""
@@ -93,7 +95,12 @@ class Fleet:
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Fleet:
         nodes = [
-            FakeNode(name=n["name"], labels=dict(n.get("labels", {})), gpus=[FakeGpu(**g) for g in n["gpus"]])
+            FakeNode(
+                name=n["name"],
+                labels=dict(n.get("labels", {})),
+                gpus=[FakeGpu(**g) for g in n["gpus"]],
+                real=bool(n.get("real", False)),
+            )
             for n in data["nodes"]
         ]
         return cls(

@@ -1,0 +1,331 @@
+"""A real node in the local cluster: containerd 2 with runc and a kubelet, registered to the same API
+server beside the kwok nodes, running containers on this machine.
+
+Everything stays on this machine: the kubelet serves on 127.0.0.1 (its own port, so several nodes
+fit), and pods get a loopback-only network (the CNI `loopback` plugin) unless they use hostNetwork;
+nothing can be pulled, so the images a test needs are imported from OCI layout tarballs
+(`vramshare_e2e.oci`) and pods use `imagePullPolicy: Never` or `IfNotPresent`.
+
+Facts this machine imposes (see e2e/README.md): cgroup v1 (kubelet 1.35+ needs `failCgroupV1: false`),
+the cgroupfs driver (no systemd), root.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from vramshare_e2e.cluster import ClusterError, Component, LocalCluster, free_port, tools_bin_dir
+from vramshare_e2e.oci import File, Image, write_layout
+
+PAUSE_IMAGE = "registry.k8s.io/pause:3.10.2"
+TASK_IMAGE = "vramshare.local/task:1"
+"""busybox (Debian's busybox-static) with NVIDIA_VISIBLE_DEVICES=all set in the image, as CUDA images do."""
+BUSYBOX_APPLETS = ("sh", "env", "echo", "sleep", "cat", "ls", "true", "printenv")
+
+
+def node_bin(name: str) -> str:
+    path = tools_bin_dir() / name
+    if not path.exists():
+        raise ClusterError(f"{name} is not built: run make tools (REAL_NODE=1)")
+    return str(path)
+
+
+def images_cache() -> Path:
+    root = (
+        os.environ.get("VRAMSHARE_CACHE")
+        or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "vramshare"
+    )
+    return Path(root) / "node-images"
+
+
+def busybox_binary(cache: Path) -> Path:
+    """Debian's static busybox, downloaded once with apt-get download (unpacked, never installed)."""
+    target = cache / "busybox"
+    cache.mkdir(parents=True, exist_ok=True)
+    with (cache / ".busybox.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # parallel test workers: one downloads, the other waits
+        if not target.exists():
+            _download_busybox(cache, target)
+    return target
+
+
+def _download_busybox(cache: Path, target: Path) -> None:
+    work = cache / "busybox-deb"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    download = ["apt-get", "download", "busybox-static"]
+    if subprocess.run(download, cwd=work, check=False, capture_output=True).returncode != 0:
+        # A fresh machine may have no package lists yet.
+        subprocess.run(["apt-get", "update", "-qq"], check=False, capture_output=True)
+        result = subprocess.run(download, cwd=work, check=False, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise ClusterError(f"apt-get download busybox-static failed: {result.stderr.strip()}")
+    (deb,) = work.glob("busybox-static_*.deb")
+    subprocess.run(["dpkg-deb", "-x", str(deb), str(work / "x")], check=True)
+    shutil.copy2(work / "x" / "bin" / "busybox", target)
+    shutil.rmtree(work, ignore_errors=True)
+
+
+def node_images(cache: Path | None = None) -> list[Path]:
+    """The sandbox image and the task image as OCI layout tarballs (in `cache`, by default the tools'
+    cache; rewritten each time from the cached binaries, which takes milliseconds)."""
+    cache = cache or images_cache()
+    cache.mkdir(parents=True, exist_ok=True)
+    pause = write_layout(
+        Image(
+            reference=PAUSE_IMAGE,
+            files={"/pause": File(data=Path(node_bin("pause")).read_bytes())},
+            entrypoint=("/pause",),
+            user="65535:65535",
+        ),
+        cache / "pause.oci.tar",
+    )
+    busybox = busybox_binary(cache).read_bytes()
+    files = {"/bin/busybox": File(data=busybox)}
+    files |= {f"/bin/{a}": File(link="busybox") for a in BUSYBOX_APPLETS}
+    task = write_layout(
+        Image(
+            reference=TASK_IMAGE,
+            files=files,
+            cmd=("/bin/sh",),
+            env={"PATH": "/bin", "NVIDIA_VISIBLE_DEVICES": "all"},
+        ),
+        cache / "task.oci.tar",
+    )
+    return [pause, task]
+
+
+@dataclass
+class RealNode:
+    """One kubelet with its own containerd; `start()` registers it, `stop()` removes its containers."""
+
+    cluster: LocalCluster
+    name: str
+    """A loopback address, 127.0.0.2 and up: the API server reaches a kubelet (logs, exec) through
+    the node's Hostname address, which is its name, so the name itself must lead to loopback; the
+    kubelet refuses a loopback --node-ip, and no other address is used here."""
+    root: Path
+    kubelet_port: int
+    healthz_port: int
+    labels: dict[str, str]
+
+    @classmethod
+    def create(cls, cluster: LocalCluster, number: int = 2) -> RealNode:
+        """Node 127.0.0.`number`, with the GPU labels of the fleet's node of that name, if any."""
+        name = f"127.0.0.{number}"
+        if not 2 <= number <= 254:
+            raise ValueError(f"node number must be 2..254 (a 127.0.0.N address), not {number}")
+        root = cluster.workdir / f"node-{name}"
+        root.mkdir(parents=True, exist_ok=True)
+        fleet_node = next((n for n in cluster.settings.fleet.nodes if n.name == name), None)
+        # The kubelet sets kubernetes.io/* itself and refuses most of that prefix from --node-labels.
+        labels = {
+            k: v
+            for k, v in (fleet_node.node_labels() if fleet_node else {}).items()
+            if "kubernetes.io" not in k and k != "type"
+        }
+        return cls(
+            cluster=cluster,
+            name=name,
+            root=root,
+            kubelet_port=free_port(),
+            healthz_port=free_port(),
+            labels={**labels, "vramshare-e2e/real-node": "true"},
+        )
+
+    @property
+    def socket(self) -> Path:
+        return self.root / "containerd" / "containerd.sock"
+
+    def _containerd_config(self) -> Path:
+        cni = self.root / "cni"
+        (cni / "net.d").mkdir(parents=True, exist_ok=True)
+        (cni / "net.d" / "10-loopback.conflist").write_text(
+            json.dumps(
+                {
+                    "cniVersion": "1.0.0",
+                    "name": "vramshare-loopback",
+                    "plugins": [{"type": "loopback"}, {"type": "cni-loopback"}],
+                }
+            )
+        )
+        bin_dir = tools_bin_dir()
+        config = f"""version = 3
+root = "{self.root / "containerd" / "root"}"
+state = "{self.root / "containerd" / "state"}"
+
+[grpc]
+  address = "{self.socket}"
+
+[plugins."io.containerd.cri.v1.images"]
+  snapshotter = "native"
+  [plugins."io.containerd.cri.v1.images".pinned_images]
+    sandbox = "{PAUSE_IMAGE}"
+
+[plugins."io.containerd.cri.v1.runtime"]
+  # Pod network namespaces under our state folder, not /var/run/netns, so clean-up finds them.
+  netns_mounts_under_state_dir = true
+  # This machine's root lacks CAP_SYS_RESOURCE, so no process may lower its OOM score below
+  # containerd's (the kubelet asks -998 for sandboxes): clamp it, as for rootless containerd.
+  restrict_oom_score_adj = true
+  cdi_spec_dirs = ["{self.root / "cdi"}"]
+  [plugins."io.containerd.cri.v1.runtime".containerd]
+    default_runtime_name = "runc"
+    [plugins."io.containerd.cri.v1.runtime".containerd.runtimes.runc]
+      runtime_type = "io.containerd.runc.v2"
+      [plugins."io.containerd.cri.v1.runtime".containerd.runtimes.runc.options]
+        BinaryName = "{bin_dir / "runc"}"
+        SystemdCgroup = false
+  [plugins."io.containerd.cri.v1.runtime".cni]
+    bin_dirs = ["{bin_dir / "cni"}"]
+    conf_dir = "{cni / "net.d"}"
+
+[plugins."io.containerd.grpc.v1.cri"]
+  stream_server_address = "127.0.0.1"
+  stream_server_port = "0"
+"""
+        path = self.root / "containerd.toml"
+        path.write_text(config)
+        return path
+
+    def _kubelet_config(self) -> Path:
+        config = {
+            "apiVersion": "kubelet.config.k8s.io/v1beta1",
+            "kind": "KubeletConfiguration",
+            "address": self.name,
+            "port": self.kubelet_port,
+            "readOnlyPort": 0,
+            "healthzBindAddress": "127.0.0.1",
+            "healthzPort": self.healthz_port,
+            "failCgroupV1": False,
+            "failSwapOn": False,
+            "cgroupDriver": "cgroupfs",
+            "cgroupRoot": f"/{self.cgroup_root}",
+            "containerRuntimeEndpoint": f"unix://{self.socket}",
+            "podLogsDir": str(self.root / "pod-logs"),
+            "authentication": {"anonymous": {"enabled": True}, "webhook": {"enabled": False}},
+            "authorization": {"mode": "AlwaysAllow"},
+            "registerNode": True,
+            "serializeImagePulls": False,
+            "imageGCHighThresholdPercent": 100,
+            "imageGCLowThresholdPercent": 99,
+            "evictionHard": {"memory.available": "1Mi", "nodefs.available": "1%", "imagefs.available": "1%"},
+            "localStorageCapacityIsolation": False,
+            "maxPods": 50,
+            "resolvConf": "",
+            "clusterDomain": "cluster.local",
+            "enforceNodeAllocatable": [],
+            "cgroupsPerQOS": True,
+            "protectKernelDefaults": False,
+            "makeIPTablesUtilChains": False,
+        }
+        path = self.root / "kubelet.yaml"
+        path.write_text(yaml.safe_dump(config))
+        return path
+
+    @property
+    def cgroup_root(self) -> str:
+        return f"vramshare-node-{self.name.replace('.', '-')}"
+
+    def _cgroups(self) -> list[Path]:
+        """The node's cgroup in every v1 hierarchy (the kubelet requires them to exist)."""
+        base = Path("/sys/fs/cgroup")
+        return [d / self.cgroup_root for d in sorted(base.iterdir()) if d.is_dir() and d.name != "unified"]
+
+    def start(self, *, timeout_s: float = 120.0) -> float:
+        """Start containerd, import the images, start the kubelet; the seconds until the Node is Ready."""
+        started = time.monotonic()
+        for cgroup in self._cgroups():
+            cgroup.mkdir(exist_ok=True)
+        bin_dir = tools_bin_dir()
+        env = {**os.environ, "PATH": f"{bin_dir}:{os.environ.get('PATH', '')}"}
+        containerd = Component(
+            name=f"containerd-{self.name}",
+            argv=[node_bin("containerd"), f"--config={self._containerd_config()}", "--log-level=warn"],
+            log_path=self.cluster.logs_dir / f"containerd-{self.name}.log",
+            ready=lambda: self.socket.exists() and self._ctr("version").returncode == 0,
+            env=env,
+        )
+        self.cluster.components[containerd.name] = containerd
+        self.cluster.cleanups.append(self.cleanup)
+        self.cluster.start_component(containerd.name)
+        for tarball in node_images():
+            result = self._ctr("images", "import", "--all-platforms", str(tarball))
+            if result.returncode != 0:
+                raise ClusterError(f"ctr images import {tarball.name} failed: {result.stderr.strip()}")
+        kubelet = Component(
+            name=f"kubelet-{self.name}",
+            argv=[
+                node_bin("kubelet"),
+                f"--config={self._kubelet_config()}",
+                f"--kubeconfig={self.cluster.kubeconfig}",
+                f"--hostname-override={self.name}",
+                f"--root-dir={self.root / 'kubelet'}",
+                f"--cert-dir={self.root / 'kubelet-pki'}",
+                "--node-labels=" + ",".join(f"{k}={v}" for k, v in sorted(self.labels.items())),
+                "--v=1",
+            ],
+            log_path=self.cluster.logs_dir / f"kubelet-{self.name}.log",
+            ready=self._node_ready,
+            env=env,
+        )
+        self.cluster.components[kubelet.name] = kubelet
+        kubelet.start()
+        kubelet.wait_ready(timeout_s=timeout_s)
+        return time.monotonic() - started
+
+    def cleanup(self) -> None:
+        """After containerd and the kubelet stopped: end what they leave behind on this machine, the
+        containers and their shims (which detach from containerd), the kubelet's and containerd's
+        mounts, and the node's cgroups."""
+        for cgroup in self._cgroups():
+            for procs in sorted(cgroup.rglob("cgroup.procs")) if cgroup.exists() else []:
+                for pid in procs.read_text().split():
+                    with contextlib.suppress(ProcessLookupError, ValueError):
+                        os.kill(int(pid), 9)
+        socket = str(self.socket)
+        for proc in Path("/proc").iterdir():
+            if proc.name.isdigit():
+                with contextlib.suppress(OSError):
+                    if socket in (proc / "cmdline").read_bytes().decode(errors="replace"):
+                        os.kill(int(proc.name), 9)
+        time.sleep(0.2)
+        mounts = [line.split()[1] for line in Path("/proc/self/mounts").read_text().splitlines()]
+        for mount in sorted((m for m in mounts if m.startswith(str(self.root))), key=len, reverse=True):
+            subprocess.run(["umount", "-l", mount], check=False, capture_output=True)
+        for cgroup in self._cgroups():
+            if cgroup.exists():
+                for d in sorted(
+                    (p for p in cgroup.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True
+                ):
+                    with contextlib.suppress(OSError):
+                        d.rmdir()
+                with contextlib.suppress(OSError):
+                    cgroup.rmdir()
+
+    def _ctr(self, *args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [node_bin("ctr"), f"--address={self.socket}", "--namespace=k8s.io", *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+
+    def _node_ready(self) -> bool:
+        with contextlib.suppress(ClusterError):
+            node = json.loads(self.cluster.kubectl("get", "node", self.name, "-o", "json"))
+            return any(
+                c["type"] == "Ready" and c["status"] == "True"
+                for c in node.get("status", {}).get("conditions", [])
+            )
+        return False
