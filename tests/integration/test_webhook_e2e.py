@@ -348,3 +348,32 @@ def test_forged_reviews_book_at_most_the_pending_limit(
             )
     assert allowed == 100
     assert len(reservations(cluster, gpu_namespace)) == 100
+
+
+def test_hostile_reservation_annotations_are_answered_at_once_and_decided_afresh(
+    cluster: LocalCluster, core: client.CoreV1Api, gpu_namespace: str
+) -> None:
+    """GPU pods carrying copied placement annotations whose reservation is a path, a query or too long:
+    such a value used to be put into an API path (a watch that hung until the 8 s deadline)."""
+    hostile = ["../gpureservations?watch=true", "x" * 300, "a/b/../../../api/v1/pods"]
+    for i, value in enumerate(hostile):
+        pod = gpu_pod(f"copied-{i}", "1000")
+        pod.metadata.annotations.update(
+            {
+                ANNOTATION_RESERVATION: value,
+                ANNOTATION_GPU_UUID: "GPU-851864af-bc71-537c-9b9c-423dac264350",
+                "vramshare.io/gpu-index": "0",
+                ANNOTATION_NODE: "gpu-node-a",
+            }
+        )
+        started = time.monotonic()
+        created = core.create_namespaced_pod(gpu_namespace, pod)
+        took = time.monotonic() - started
+        print(f"\n{value[:30]!r}: answered in {took * 1000:.0f} ms")
+        assert took < 1.0
+        booked = {r["metadata"]["name"]: r for r in reservations(cluster, gpu_namespace)}
+        name = created.metadata.annotations[ANNOTATION_RESERVATION]
+        assert name in booked
+        assert name != value
+        assert booked[name]["spec"]["memoryMiB"] == 1000
+    assert len(reservations(cluster, gpu_namespace)) == len(hostile)  # one fresh booking each

@@ -36,12 +36,15 @@ from vramshare.kube.resources import (
     ANNOTATION_PREFIX,
     ANNOTATION_RESERVATION,
     LABEL_RESERVATION,
+    is_object_name,
 )
 
 Obj = dict[str, Any]
 Operation = dict[str, Any]
 
 VISIBLE_DEVICES = "NVIDIA_VISIBLE_DEVICES"
+_GPU_UUID = re.compile(r"^(GPU|MIG)-[A-Za-z0-9-]{1,124}$", re.ASCII)
+"""A GPU UUID as NVIDIA writes it (GPU-<uuid>), as found in a pod's vramshare.io/gpu-uuid."""
 CUDA_DEVICES = "CUDA_VISIBLE_DEVICES"
 CONTAINER_LISTS = ("initContainers", "containers")
 
@@ -314,7 +317,8 @@ def queued_entry_of(pod: Obj) -> str | None:
     a = pod_annotations(pod)
     if ANNOTATION_GPU_UUID in a:
         return None
-    return a.get(ANNOTATION_RESERVATION)
+    name = a.get(ANNOTATION_RESERVATION)
+    return name if is_object_name(name) else None  # anything else is not ours: decided afresh
 
 
 def hide_gpus_patch(pod: Obj) -> list[Operation]:
@@ -450,6 +454,12 @@ def placement_of(pod: Obj) -> Placement | None:
         uuids = a[ANNOTATION_GPU_UUID].split(",")
         indexes = [int(i) for i in a[ANNOTATION_GPU_INDEX].split(",")]
         if len(uuids) != len(indexes):
+            return None
+        # Copied or hand-written annotations are the user's: a value that cannot be ours (a path, a
+        # query, 300 characters) is not looked up anywhere, and the pod is decided afresh.
+        if not is_object_name(a[ANNOTATION_RESERVATION]) or not is_object_name(a[ANNOTATION_NODE]):
+            return None
+        if not all(_GPU_UUID.match(u) for u in uuids):
             return None
         return Placement(
             reservation=a[ANNOTATION_RESERVATION],

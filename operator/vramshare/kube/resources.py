@@ -6,7 +6,9 @@ The typed objects built from these live in `vramshare.kube.objects`.
 from __future__ import annotations
 
 import datetime as dt
+import re
 from typing import Any
+from urllib.parse import quote
 
 GROUP = "vramshare.io"
 VERSION = "v1alpha1"
@@ -42,15 +44,33 @@ ANNOTATION_LEDGER = "vramshare.io/last-reservation"
 Obj = dict[str, Any]
 
 
+_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+
+
+def is_object_name(value: object) -> bool:
+    """Whether `value` can name a Kubernetes object (a DNS-1123 subdomain: at most 253 characters of
+    lower-case letters, digits, '-' and '.'). Names read from users' objects (annotations, labels) are
+    checked with this before they are used, e.g. in an API path."""
+    return isinstance(value, str) and 0 < len(value) <= 253 and bool(_DNS_SUBDOMAIN.match(value))
+
+
+def _segment(value: str) -> str:
+    """One path segment, quoted: whatever a name holds, it cannot reach another path or a query (nor
+    climb one: "." and ".." are dot segments that URL libraries resolve, so their dots are encoded)."""
+    if value in (".", ".."):
+        return value.replace(".", "%2E")
+    return quote(value, safe="")
+
+
 def reservations_path(namespace: str | None = None, name: str | None = None) -> str:
     base = f"/apis/{GROUP}/{VERSION}"
-    path = f"{base}/namespaces/{namespace}/{RESERVATIONS}" if namespace else f"{base}/{RESERVATIONS}"
-    return f"{path}/{name}" if name else path
+    path = f"{base}/namespaces/{_segment(namespace)}/{RESERVATIONS}" if namespace else f"{base}/{RESERVATIONS}"
+    return f"{path}/{_segment(name)}" if name else path
 
 
 def devices_path(name: str | None = None) -> str:
     path = f"/apis/{GROUP}/{VERSION}/{DEVICES}"
-    return f"{path}/{name}" if name else path
+    return f"{path}/{_segment(name)}" if name else path
 
 
 def device_name(uuid: str) -> str:

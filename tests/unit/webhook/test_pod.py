@@ -14,6 +14,7 @@ from vramshare_webhook.pod import (
     placement_of,
     placement_patch,
     pointer,
+    queued_entry_of,
     requested_device_resources,
     spoofed,
 )
@@ -248,3 +249,45 @@ def test_a_pod_with_several_gpus_sees_them_all_numbered_from_zero() -> None:
     broken = copy.deepcopy(patched)
     broken["metadata"]["annotations"]["vramshare.io/gpu-index"] = "2,3"
     assert placement_of(broken) is None
+
+
+def carrying(**annotations: str) -> dict[str, Any]:
+    p = pod()
+    p["metadata"]["annotations"] |= {
+        "vramshare.io/reservation": "task-1-abcd",
+        "vramshare.io/gpu-uuid": "GPU-1",
+        "vramshare.io/gpu-index": "2",
+        "vramshare.io/node": "gpu-node-a",
+        **annotations,
+    }
+    return p
+
+
+def test_a_genuine_looking_placement_is_read_back() -> None:
+    assert placement_of(carrying()) == PLACE
+
+
+@pytest.mark.parametrize(
+    "annotations",
+    [
+        {"vramshare.io/reservation": "../gpureservations?watch=true"},
+        {"vramshare.io/reservation": "a/b"},
+        {"vramshare.io/reservation": "x" * 300},
+        {"vramshare.io/reservation": "Upper"},
+        {"vramshare.io/reservation": ""},
+        {"vramshare.io/node": "node/../../api"},
+        {"vramshare.io/gpu-uuid": "GPU-1?watch=1"},
+        {"vramshare.io/gpu-uuid": "../x"},
+    ],
+)
+def test_a_placement_whose_names_cannot_be_ours_is_not_read(annotations: dict[str, str]) -> None:
+    """Such a pod is decided afresh: nothing it carries is looked up (it used to become an API path)."""
+    assert placement_of(carrying(**annotations)) is None
+
+
+def test_a_queue_entry_name_that_cannot_be_ours_is_not_read() -> None:
+    p = pod()
+    p["metadata"]["annotations"]["vramshare.io/reservation"] = "../gpureservations?watch=true"
+    assert queued_entry_of(p) is None
+    p["metadata"]["annotations"]["vramshare.io/reservation"] = "task-1-queued"
+    assert queued_entry_of(p) == "task-1-queued"
