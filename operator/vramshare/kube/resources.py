@@ -64,7 +64,9 @@ def _segment(value: str) -> str:
 
 def reservations_path(namespace: str | None = None, name: str | None = None) -> str:
     base = f"/apis/{GROUP}/{VERSION}"
-    path = f"{base}/namespaces/{_segment(namespace)}/{RESERVATIONS}" if namespace else f"{base}/{RESERVATIONS}"
+    path = (
+        f"{base}/namespaces/{_segment(namespace)}/{RESERVATIONS}" if namespace else f"{base}/{RESERVATIONS}"
+    )
     return f"{path}/{_segment(name)}" if name else path
 
 
