@@ -114,10 +114,15 @@ def gpu_pod(
     )
 
 
-def expressions(pod: client.V1Pod) -> list[list[Any]]:
+def node_pins(pod: client.V1Pod) -> list[list[Any]]:
+    """Each required node-affinity term's requirements (labels, then fields)."""
     terms = pod.spec.affinity.node_affinity.required_during_scheduling_ignored_during_execution
     return [
-        [(e.key, e.operator, tuple(e.values)) for e in t.match_expressions] for t in terms.node_selector_terms
+        [
+            (e.key, e.operator, tuple(e.values))
+            for e in [*(t.match_expressions or []), *(t.match_fields or [])]
+        ]
+        for t in terms.node_selector_terms
     ]
 
 
@@ -142,9 +147,7 @@ def test_concurrent_pods_through_two_replicas_and_two_later_webhooks_book_exactl
             env = [(e.name, e.value) for e in c.env or []]
             assert env.count(("NVIDIA_VISIBLE_DEVICES", uuid)) == 1, (pod.metadata.name, c.name, env)
             assert ("CUDA_VISIBLE_DEVICES", "0") in env
-        assert expressions(pod) == [
-            [("kubernetes.io/hostname", "In", (pod.metadata.annotations["vramshare.io/node"],))]
-        ]
+        assert node_pins(pod) == [[("metadata.name", "In", (pod.metadata.annotations["vramshare.io/node"],))]]
         assert pod.metadata.labels[LABEL_RESERVATION] == pod.metadata.annotations[ANNOTATION_RESERVATION]
     booked = [r for ns in spaces for r in reservations(stack, ns)]
     active = [r for r in booked if counted(r)]

@@ -289,3 +289,22 @@ def test_admitted_pods_are_told_their_budget_and_mps_nodes_enforce_it(
     assert env["VRAMSHARE_GPU_MEMORY_MIB"] == "3000"
     assert env["VRAMSHARE_GPU_MEMORY_FRACTION"] == env["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.19"  # of 15360
     assert env["TF_FORCE_GPU_ALLOW_GROWTH"] == "true"
+
+
+def test_a_node_whose_hostname_label_is_not_its_name_gets_its_gpu_pods(
+    stack: LocalCluster, core: client.CoreV1Api
+) -> None:
+    """kubelets with --hostname-override, or nodes named by FQDN: the kubernetes.io/hostname label
+    differs from the node's name. Pods are pinned by the node's name (matchFields), so they still land."""
+    t4 = node_of_product(stack, T4)
+    stack.kubectl("label", "node", t4, f"kubernetes.io/hostname={t4}.example.internal", "--overwrite")
+    try:
+        created = core.create_namespaced_pod(NS, pod("fqdn", 2000, node_selector=on_t4(stack)))
+        assert created.metadata.annotations["vramshare.io/node"] == t4
+        assert scheduled_on(core, "fqdn") == t4  # pinned by the hostname label, it never was
+        terms = created.spec.affinity.node_affinity.required_during_scheduling_ignored_during_execution
+        (term,) = terms.node_selector_terms
+        assert [(f.key, f.operator, f.values) for f in term.match_fields] == [("metadata.name", "In", [t4])]
+    finally:
+        stack.kubectl("label", "node", t4, f"kubernetes.io/hostname={t4}", "--overwrite")
+        core.delete_namespaced_pod("fqdn", NS, grace_period_seconds=0)

@@ -187,7 +187,7 @@ def test_a_queued_pod_waits_gated_and_is_placed_within_seconds_of_memory_freeing
     env = {e.name: e for e in placed.spec.containers[0].env}
     assert env["VRAMSHARE_GPU_MEMORY_MIB"].value == "20000"
     terms = placed.spec.affinity.node_affinity.required_during_scheduling_ignored_during_execution
-    assert terms.node_selector_terms[0].match_expressions[0].values == [node.name]
+    assert terms.node_selector_terms[0].match_fields[0].values == [node.name]
     bound = eventually(
         lambda: (r := reservations(stack)[entry]) and phase(r) == "Bound" and r, what="Bound", timeout_s=20
     )

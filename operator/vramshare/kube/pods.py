@@ -22,6 +22,10 @@ from vramshare.kube.resources import (
 Obj = dict[str, Any]
 
 HOSTNAME_LABEL = "kubernetes.io/hostname"
+NODE_NAME_FIELD = "metadata.name"
+"""What vramshare pins a pod's node by (`matchFields`): the node's name, which is what the GPU's
+GpuDevice names. The `kubernetes.io/hostname` label differs from it where kubelets run with
+--hostname-override or nodes are named by FQDN."""
 MODEL_ANNOTATION = "gpu-model"
 """The pod annotation asking for a GPU model as DCGM reports it: exact, or a pattern with * and ?."""
 QUEUE_GATE = "vramshare.io/gpu-memory"
@@ -44,8 +48,9 @@ def pinned_nodes(pod: Obj) -> frozenset[str] | None:
     """The nodes the pod is already confined to, if it is; None when it may go anywhere.
 
     From `spec.nodeName`, a `kubernetes.io/hostname` nodeSelector, and a required node affinity whose
-    every term allows hostnames with `In` (terms are ORed: their hostnames add up). Several of these
-    together intersect. Other constraints (zones, labels) are left to the scheduler.
+    every term allows node names (`matchFields` on metadata.name, as vramshare pins) or hostnames with
+    `In` (terms are ORed: their names add up). Several of these together intersect. Other constraints
+    (zones, labels) are left to the scheduler.
     """
     spec = pod.get("spec", {})
     allowed: list[frozenset[str]] = []
@@ -61,6 +66,10 @@ def pinned_nodes(pod: Obj) -> frozenset[str] | None:
             frozenset(str(v) for v in e.get("values") or [])
             for e in term.get("matchExpressions") or []
             if e.get("key") == HOSTNAME_LABEL and e.get("operator") == "In"
+        ] + [
+            frozenset(str(v) for v in e.get("values") or [])
+            for e in term.get("matchFields") or []
+            if e.get("key") == NODE_NAME_FIELD and e.get("operator") == "In"
         ]
         if not hosts:
             union = set()
@@ -83,16 +92,16 @@ def affinity_on(spec: Obj, node: str) -> Obj:
     affinity = copy.deepcopy(spec.get("affinity") or {})
     node_affinity = affinity.setdefault("nodeAffinity", {})
     required = node_affinity.setdefault("requiredDuringSchedulingIgnoredDuringExecution", {})
-    ours = {"key": HOSTNAME_LABEL, "operator": "In", "values": [node]}
+    ours = {"key": NODE_NAME_FIELD, "operator": "In", "values": [node]}
     terms = [t for t in required.get("nodeSelectorTerms") or [] if isinstance(t, dict)]
     if not terms:
         terms = [{}]
-    # Terms are ORed, expressions inside a term ANDed: the GPU's node must hold in every term. A term
+    # Terms are ORed, requirements inside a term ANDed: the GPU's node must hold in every term. A term
     # that already has it (a reinvocation sees the first pass's patch) is left as it is.
     for term in terms:
-        expressions = term.get("matchExpressions") or []
-        if ours not in expressions:
-            term["matchExpressions"] = [*expressions, ours]
+        fields = term.get("matchFields") or []
+        if ours not in fields:
+            term["matchFields"] = [*fields, ours]
     required["nodeSelectorTerms"] = terms
     return affinity
 

@@ -219,7 +219,7 @@ async def test_a_reinvocation_keeps_the_first_placement_and_books_nothing_more()
     (term,) = ops["/spec/affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
         "nodeSelectorTerms"
     ]
-    assert len(term["matchExpressions"]) == 1
+    assert len(term["matchFields"]) == 1
     # The API server reinvokes at most once: a third pass with the same annotations is a copy.
     third = await a.review(replace(again_req, uid="u-third"))
     assert len(ledger.objects) == 2

@@ -87,9 +87,7 @@ def test_affinity_is_added_when_there_is_none() -> None:
     terms = out["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
         "nodeSelectorTerms"
     ]
-    assert terms == [
-        {"matchExpressions": [{"key": "kubernetes.io/hostname", "operator": "In", "values": ["gpu-node-a"]}]}
-    ]
+    assert terms == [{"matchFields": [{"key": "metadata.name", "operator": "In", "values": ["gpu-node-a"]}]}]
 
 
 def test_affinity_is_anded_into_every_existing_term_and_other_affinities_kept() -> None:
@@ -107,17 +105,13 @@ def test_affinity_is_anded_into_every_existing_term_and_other_affinities_kept() 
     }
     p = pod(affinity=affinity)
     out = apply(p, placement_patch(p, PLACE))
-    ours = {"key": "kubernetes.io/hostname", "operator": "In", "values": ["gpu-node-a"]}
+    ours = {"key": "metadata.name", "operator": "In", "values": ["gpu-node-a"]}
     node_affinity = out["spec"]["affinity"]["nodeAffinity"]
     terms = node_affinity["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
-    assert terms[0]["matchExpressions"] == [{"key": "zone", "operator": "In", "values": ["z1"]}, ours]
-    assert terms[1]["matchExpressions"] == [ours]
-    assert (
-        terms[1]["matchFields"]
-        == affinity["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"][1][
-            "matchFields"
-        ]
-    )
+    assert terms[0]["matchExpressions"] == [{"key": "zone", "operator": "In", "values": ["z1"]}]
+    assert terms[0]["matchFields"] == [ours]
+    assert terms[1]["matchFields"] == [{"key": "metadata.name", "operator": "NotIn", "values": ["n9"]}, ours]
+    assert "matchExpressions" not in terms[1]
     assert node_affinity["preferredDuringSchedulingIgnoredDuringExecution"] == [
         {"weight": 1, "preference": {}}
     ]
@@ -291,3 +285,24 @@ def test_a_queue_entry_name_that_cannot_be_ours_is_not_read() -> None:
     assert queued_entry_of(p) is None
     p["metadata"]["annotations"]["vramshare.io/reservation"] = "task-1-queued"
     assert queued_entry_of(p) == "task-1-queued"
+
+
+def test_a_node_name_pin_in_match_fields_confines_the_pod() -> None:
+    """vramshare's own pin (a reinvocation sees it) and a user's, read the same way."""
+    terms = {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [
+                    {"matchFields": [{"key": "metadata.name", "operator": "In", "values": ["n7"]}]}
+                ]
+            }
+        }
+    }
+    assert pinned_nodes(pod(affinity=terms)) == {"n7"}
+    pinned = apply(pod(), placement_patch(pod(), PLACE))
+    assert pinned_nodes(pinned) == {"gpu-node-a"}
+    again = apply(pinned, placement_patch(pinned, PLACE))  # a reinvocation: not repeated
+    (term,) = again["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+        "nodeSelectorTerms"
+    ]
+    assert term["matchFields"] == [{"key": "metadata.name", "operator": "In", "values": ["gpu-node-a"]}]
