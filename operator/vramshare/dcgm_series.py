@@ -142,10 +142,6 @@ class DcgmReading:
     """Series that could not be used (or were resolved with a warning, like conflicting duplicates)."""
     evaluated_at: float = 0.0
 
-    @property
-    def skipped(self) -> list[str]:
-        return [f"{u.cause.value}: {u.detail}" for u in self.unusable]
-
 
 @dataclass(frozen=True, slots=True)
 class _Figures:
@@ -157,7 +153,6 @@ class _Figures:
     reserved: int | None
     capacity: int | None
     labels: Mapping[str, str]
-    family: str
 
 
 def _uuid_of(labels: Mapping[str, str]) -> str:
@@ -177,7 +172,9 @@ def _mib(value: float, family: Family) -> int:
     return int(value * family.bytes_per_unit // MIB)
 
 
-def _figures(metrics: Mapping[str, tuple[float, float]], labels: Mapping[str, str]) -> _Figures | str:
+def _figures(
+    metrics: Mapping[str, tuple[float, float]], labels: Mapping[str, str]
+) -> _Figures | tuple[Cause, str]:
     """A source's figures from one family and one scrape, or why there are none."""
     for family in FAMILIES:
         if family.free not in metrics or family.used not in metrics:
@@ -186,7 +183,10 @@ def _figures(metrics: Mapping[str, tuple[float, float]], labels: Mapping[str, st
         times = {metrics[m][1] for m in wanted}
         if len(times) > 1:
             spread = ", ".join(f"{m} at {metrics[m][1]:.3f}" for m in wanted)
-            return f"its figures come from different scrapes ({spread}); the next reading is used"
+            return (
+                Cause.INCONSISTENT,
+                f"its figures come from different scrapes ({spread}); the next reading is used",
+            )
         value = {m: _mib(metrics[m][0], family) for m in wanted}
         return _Figures(
             at=times.pop(),
@@ -195,9 +195,11 @@ def _figures(metrics: Mapping[str, tuple[float, float]], labels: Mapping[str, st
             reserved=value.get(family.reserved),
             capacity=value.get(family.capacity),
             labels=labels,
-            family=family.name,
         )
-    return f"incomplete series ({', '.join(sorted(metrics)) or 'none'}): FB free and used are both needed"
+    return (
+        Cause.INCOMPLETE,
+        f"incomplete series ({', '.join(sorted(metrics)) or 'none'}): FB free and used are both needed",
+    )
 
 
 def _freshest(identity: str, sources: list[_Figures], notes: _Notes) -> _Figures:
@@ -309,18 +311,18 @@ def _choose(
     chosen = {}
     for identity, by_source in sorted(sources.items(), key=lambda kv: (kv[0][0], kv[0][1] or -1)):
         name = identity[0] if identity[1] is None else f"{identity[0]} GPU instance {identity[1]}"
-        usable, problems = [], []
+        usable: list[_Figures] = []
+        problems: list[tuple[Cause, str]] = []
         for source, metrics in by_source.items():
             got = _figures(metrics, dict(source))
-            if isinstance(got, str):
-                problems.append(got)
-            else:
+            if isinstance(got, _Figures):
                 usable.append(got)
+            else:
+                problems.append(got)
         if not usable:
-            cause = (
-                Cause.INCONSISTENT if any("different scrapes" in p for p in problems) else Cause.INCOMPLETE
-            )
-            notes.add(cause, name, f"{name}: {problems[0]}")
+            # A source split across scrapes says more than one missing a metric.
+            cause, why = min(problems, key=lambda p: p[0] is not Cause.INCONSISTENT)
+            notes.add(cause, name, f"{name}: {why}")
             continue
         chosen[identity] = _freshest(name, usable, notes)
     return chosen
@@ -388,7 +390,6 @@ def _summed(instances: Iterable[_Figures], *, evaluated_at: float) -> _Figures:
         reserved=sum(reserved) if reserved else None,
         capacity=None,
         labels={},
-        family=listed[0].family if listed else "",
     )
 
 
