@@ -60,15 +60,24 @@ def say(message: str) -> None:
     print(f"[vramshare cluster] {message}", file=sys.stderr, flush=True)
 
 
-def eventually(check: Callable[[], T], *, what: str, timeout_s: float = 30.0, interval_s: float = 0.25) -> T:
-    """Poll `check` until it returns something truthy, and return that; AssertionError on timeout."""
+def eventually(
+    check: Callable[[], T],
+    *,
+    what: str,
+    timeout_s: float = 30.0,
+    interval_s: float = 0.25,
+    detail: Callable[[], object] | None = None,
+) -> T:
+    """Poll `check` until it returns something truthy, and return that; AssertionError on timeout, with
+    what `detail` returns then (the state that was not reached, for the failure's reader)."""
     deadline = time.monotonic() + timeout_s
     while True:
         value = check()
         if value:
             return value
         if time.monotonic() >= deadline:
-            raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
+            seen = f"; last seen: {detail()}" if detail is not None else ""
+            raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}{seen}")
         time.sleep(interval_s)
 
 

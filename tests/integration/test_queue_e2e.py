@@ -118,6 +118,12 @@ def reservations(stack: LocalCluster, namespace: str = NS) -> dict[str, dict[str
     return {r["metadata"]["name"]: r for r in items}
 
 
+def headrooms(stack: LocalCluster) -> dict[str, int | None]:
+    """Each GpuDevice's headroom as the controller last published it."""
+    items = json.loads(stack.kubectl("get", "gpudevices", "-o", "json"))["items"]
+    return {d["metadata"]["name"]: d.get("status", {}).get("headroomMiB") for d in items}
+
+
 def phase(r: dict[str, Any]) -> str | None:
     return r.get("status", {}).get("phase")
 
@@ -212,13 +218,28 @@ def test_a_request_no_gpu_could_ever_take_is_refused_and_the_annotation_opts_out
 def test_deleting_a_queued_pod_takes_it_out_of_the_queue(stack: LocalCluster, core: client.CoreV1Api) -> None:
     fill_every_gpu(stack, used=True)
     try:
-        eventually(lambda: refused_now(core), what="GPUs seen full", timeout_s=30)
+        eventually(lambda: refused_now(core), what="GPUs seen full by the webhook", timeout_s=30)
+        # The controller's published view too: it places from the queue by it.
+        eventually(
+            lambda: all(h is not None and h < 4096 for h in headrooms(stack).values()),
+            what="GPUs seen full by the controller",
+            detail=lambda: headrooms(stack),
+        )
         first = core.create_namespaced_pod(NS, gpu_pod("q-first", 4096))
         second = core.create_namespaced_pod(NS, gpu_pod("q-second", 4096))
         names = [p.metadata.annotations[ANNOTATION_RESERVATION] for p in (first, second)]
+
+        def entries() -> list[tuple[str | None, int | None, str | None]]:
+            found = reservations(stack)
+            return [
+                (phase(r), r.get("status", {}).get("queuePosition"), r.get("status", {}).get("message"))
+                for r in (found.get(n, {}) for n in names)
+            ]
+
         eventually(
-            lambda: [reservations(stack)[n].get("status", {}).get("queuePosition") for n in names] == [1, 2],
+            lambda: [position for _, position, _ in entries()] == [1, 2],
             what="positions 1 and 2",
+            detail=entries,
         )
         core.delete_namespaced_pod("q-first", NS)
         eventually(

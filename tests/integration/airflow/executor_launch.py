@@ -42,6 +42,9 @@ executor.execute_async(plain, command(plain), executor_config=None)
 
 started = time.monotonic()
 seen: dict[str, float] = {}
+# How often the GPU task had been refused when each pod appeared: a plain task that waits behind the
+# GPU task's refusals would appear only after several.
+refusals_before: dict[str, int] = {}
 paused = False
 requeued = 0
 failed_at = None
@@ -56,6 +59,7 @@ while time.monotonic() - started < seconds:
         task = pod.metadata.labels.get("task_id")
         if task not in seen:
             seen[task] = round(time.monotonic() - started, 1)
+            refusals_before[task] = requeued
     if "gpu_task" in seen or failed_at is not None or paused:
         break
     time.sleep(1)
@@ -74,6 +78,7 @@ result = {
     "paused": paused,
     "failed_after_s": failed_at,
     "created_after_s": seen,
+    "gpu_refusals_before": refusals_before,
     "gpu_pod_visible_devices": env.get("NVIDIA_VISIBLE_DEVICES"),
     "gpu_try_number": gpu.try_number,
 }
