@@ -7,10 +7,15 @@ ARG PYTHON_IMAGE=python:3.11.14-slim-bookworm
 FROM ${PYTHON_IMAGE} AS build
 WORKDIR /src
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
-COPY pyproject.toml README.md ./
+# The dependencies first, from pyproject.toml alone: a layer that a change to the code leaves cached.
+COPY pyproject.toml ./
+RUN python -c 'import tomllib; print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]))' \
+      > /tmp/requirements.txt \
+    && pip wheel --wheel-dir /wheels -r /tmp/requirements.txt
+COPY README.md ./
 COPY operator/ operator/
 COPY webhook/ webhook/
-RUN pip wheel --wheel-dir /wheels .
+RUN pip wheel --no-deps --wheel-dir /wheels .
 
 # Final stage: the wheels installed into a virtualenv, no compilers, no build files, non-root.
 FROM ${PYTHON_IMAGE}
@@ -22,10 +27,17 @@ LABEL org.opencontainers.image.title="vramshare" \
       org.opencontainers.image.source="https://vramshare.io"
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 \
     PATH=/opt/vramshare/bin:$PATH
-# The wheels are mounted from the build stage for this one step, so no layer keeps them.
+# Buildah (make image) reuses this step's cached layer whatever the mount below brings: the digest of
+# the sources (e2e/tools/build-image.sh passes it) changes the step whenever they change.
+ARG SOURCE_DIGEST=""
+# The wheels are mounted from the build stage for this one step, so no layer keeps them. The user
+# gets a name: getpass.getuser() (kopf, among others) fails for a uid missing from /etc/passwd.
 RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
     python -m venv /opt/vramshare \
-    && /opt/vramshare/bin/pip install --no-index --find-links=/wheels vramshare
+    && /opt/vramshare/bin/pip install --no-index --find-links=/wheels vramshare \
+    && echo "vramshare:x:65532:65532:vramshare:/nonexistent:/usr/sbin/nologin" >> /etc/passwd \
+    && echo "vramshare:x:65532:" >> /etc/group \
+    && echo "sources ${SOURCE_DIGEST:-unknown}" > /opt/vramshare/SOURCE_DIGEST
 USER 65532:65532
 EXPOSE 8443 8080
 CMD ["vramshare-webhook"]

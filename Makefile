@@ -27,6 +27,10 @@ venv: $(VENV_STAMP) ## Create the virtualenv and install vramshare with its dev 
 tools: venv ## Build (once, cached) etcd, Kubernetes, kwok and helm from their Go modules; install Prometheus
 	@$(BIN)/python -m vramshare_e2e.cluster --prepare
 
+.PHONY: node-image
+node-image: venv ## Build (when the code changed) the image for real nodes: make image's, exported as an OCI archive
+	@$(BIN)/python -m vramshare_e2e.image
+
 .PHONY: airflow
 airflow: ## Install (once, cached) the real Apache Airflow 3 and 2 the Airflow tests run, each in its own virtualenv
 	@bash e2e/tools/airflow.sh airflow >/dev/null
@@ -54,12 +58,12 @@ unit: venv ## Fast tests: no I/O
 TEST_WORKERS ?= 2
 
 .PHONY: test
-test: venv tools airflow lint typecheck contracts ## Everything: lint, types, contracts, unit, integration, e2e
+test: venv tools node-image airflow lint typecheck contracts ## Everything: lint, types, contracts, unit, integration, e2e
 	$(BIN)/pytest --numprocesses=$(TEST_WORKERS) --dist=loadfile
 
 .PHONY: demo
-demo: venv tools ## The whole system on a local control plane: pods admitted, placed, refused (KEEP=1 keeps it up)
-	$(BIN)/python -m vramshare_e2e.demo $(if $(FAST),--fast,)
+demo: venv tools $(if $(REAL_NODE),node-image,) ## The whole system on a local control plane: pods admitted, placed, refused (KEEP=1 keeps it up; REAL_NODE=1: the chart on real nodes)
+	$(BIN)/python -m vramshare_e2e.demo $(if $(FAST),--fast,) $(if $(REAL_NODE),--real-node,)
 
 .PHONY: bench-admission
 bench-admission: venv tools ## Pod creation through vramshare vs a no-webhook baseline; decision cost curve

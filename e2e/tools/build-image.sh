@@ -35,12 +35,16 @@ if ! "${B[@]}" inspect --type image "$BASE" >/dev/null 2>&1; then
   "${B[@]}" rm "$ctr" >/dev/null
 fi
 
-echo "[image] building $TAG from the Dockerfile"
+# What the Dockerfile copies, hashed: buildah would otherwise reuse the final stage's cached install
+# step after a code change (its cache key ignores what a --mount=from brings).
+DIGEST=$(find Dockerfile pyproject.toml README.md operator webhook -type f \
+  ! -path '*/__pycache__/*' ! -name '*.pyc' ! -path '*.egg-info/*' -print0 | sort -z | xargs -0 sha256sum | sha256sum | cut -c1-16)
+echo "[image] building $TAG from the Dockerfile (sources $DIGEST)"
 # The build stage fetches wheels from the package index; the host's CA bundle is mounted for the RUN
 # steps (never committed to a layer), for networks that reach it through a TLS-inspecting proxy.
 "${B[@]}" bud --quiet --isolation chroot --layers \
   --volume /etc/ssl/certs/ca-certificates.crt:/etc/ssl/certs/ca-certificates.crt:ro \
-  --build-arg PYTHON_IMAGE="$BASE" -t "$TAG" -f Dockerfile . >/dev/null
+  --build-arg PYTHON_IMAGE="$BASE" --build-arg SOURCE_DIGEST="$DIGEST" -t "$TAG" -f Dockerfile . >/dev/null
 
 echo "[image] running each entry point inside it"
 ctr=$("${B[@]}" from "$TAG")
@@ -53,7 +57,10 @@ grep -q "VRAMSHARE_PROMETHEUS_URL" <<<"$out" && echo "  vramshare-controller: st
 out=$(run kubectl-vramshare status --kubeconfig /nonexistent 2>&1 || true)
 grep -q "cannot read the cluster" <<<"$out" && echo "  kubectl-vramshare: ${out%%$'\n'*}"
 run python -c "import vramshare_webhook.__main__, vramshare.controller.__main__, kopf; print('  imports: ok')"
-whoami_out=$(run id -u); echo "  runs as uid $whoami_out"
+whoami_out=$(run id -u); echo "  runs as uid $whoami_out ($(run id -un))"
+built=$(run cat /opt/vramshare/SOURCE_DIGEST)
+[ "$built" = "sources $DIGEST" ] || { echo "the image holds $built, not the sources $DIGEST (a stale cached layer)" >&2; exit 1; }
+echo "  built from the sources $DIGEST"
 if run sh -c 'ls /wheels' >/dev/null 2>&1; then echo "wheels left in the image" >&2; exit 1; fi
 echo "  no /wheels in the image"
 echo "[image] $TAG: $("${B[@]}" images --format '{{.Size}}' "$TAG") (base $("${B[@]}" images --format '{{.Size}}' "$BASE"))"

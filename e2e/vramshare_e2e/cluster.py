@@ -377,6 +377,9 @@ class LocalCluster:
                 f"--service-account-key-file={self.sa_keys.cert_path}",
                 f"--service-account-signing-key-file={self.sa_keys.key_path}",
                 "--allow-privileged=true",
+                # Webhooks behind a Service are called at an endpoint's address: there is no kube-proxy
+                # here to route a Service's ClusterIP (the chart's webhook on a real node).
+                "--enable-aggregator-routing=true",
                 "--profiling=false",
                 "--v=1",
             ],

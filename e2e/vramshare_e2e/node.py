@@ -1,8 +1,9 @@
 """A real node in the local cluster: containerd 2 with runc and a kubelet, registered to the same API
 server beside the kwok nodes, running containers on this machine.
 
-Everything stays on this machine: the kubelet serves on 127.0.0.1 (its own port, so several nodes
-fit), and pods get a loopback-only network (the CNI `loopback` plugin) unless they use hostNetwork;
+Everything stays on this machine: each node has its own address on the loopback interface (see
+`NODE_NETWORK`), where its kubelet serves (its own port, so several nodes fit) and its hostNetwork
+pods listen; other pods get a loopback-only network (the CNI `loopback` plugin);
 nothing can be pulled, so the images a test needs are imported from OCI layout tarballs
 (`vramshare_e2e.oci`) and pods use `imagePullPolicy: Never` or `IfNotPresent`.
 
@@ -19,6 +20,7 @@ import os
 import shutil
 import subprocess
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -105,15 +107,68 @@ def node_images(cache: Path | None = None) -> list[Path]:
     return [pause, task]
 
 
+NODE_NETWORK = "198.18.0.0/15"
+"""Where node addresses come from: the range set aside for benchmarking networks (RFC 2544), so no
+real network here uses it. Each node's address is put on this machine's loopback interface, for its
+kubelet and its hostNetwork pods: Endpoints and EndpointSlices refuse 127.0.0.0/8 addresses, so a
+webhook on a node with a 127.x address could never be called through its Service. Beside them an
+`unreachable` route for the whole range: a packet for a node address that is not (or no longer) on
+loopback is refused here instead of leaving the machine by the default route."""
+
+
+def node_address(number: int) -> str:
+    if not 2 <= number <= 254:
+        raise ValueError(f"node number must be 2..254 (the address 198.18.0.N), not {number}")
+    return f"198.18.0.{number}"
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    result = subprocess.run(["ip", *args], capture_output=True, text=True, check=False)
+    if check and result.returncode != 0:
+        raise ClusterError(f"ip {' '.join(args)} failed: {result.stderr.strip()}")
+    return result
+
+
+def claim_address(address: str) -> None:
+    """Put `address` on loopback, behind the guard route (both idempotent, parallel-safe)."""
+    if os.geteuid() != 0:
+        raise ClusterError("a real node needs root: its address goes on the loopback interface")
+    with _network_lock():
+        if "unreachable 198.18.0.0/15" not in _ip("route", "show", "type", "unreachable").stdout:
+            _ip("route", "add", "unreachable", NODE_NETWORK)
+        if f"inet {address}/32" not in _ip("-4", "addr", "show", "dev", "lo").stdout:
+            _ip("addr", "add", f"{address}/32", "dev", "lo")
+        route = _ip("route", "get", address).stdout
+        if not route.startswith(f"local {address} dev lo"):
+            raise ClusterError(f"{address} is not local after putting it on loopback: {route.strip()}")
+
+
+def release_address(address: str) -> None:
+    """Take `address` off loopback; the guard route goes with the last node address."""
+    with _network_lock():
+        _ip("addr", "del", f"{address}/32", "dev", "lo", check=False)
+        if "inet 198.18." not in _ip("-4", "addr", "show", "dev", "lo").stdout:
+            _ip("route", "del", "unreachable", NODE_NETWORK, check=False)
+
+
+@contextlib.contextmanager
+def _network_lock() -> Iterator[None]:
+    path = images_cache().parent / ".node-network.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 @dataclass
 class RealNode:
     """One kubelet with its own containerd; `start()` registers it, `stop()` removes its containers."""
 
     cluster: LocalCluster
     name: str
-    """A loopback address, 127.0.0.2 and up: the API server reaches a kubelet (logs, exec) through
-    the node's Hostname address, which is its name, so the name itself must lead to loopback; the
-    kubelet refuses a loopback --node-ip, and no other address is used here."""
+    """The node's address, 198.18.0.2 and up (see `NODE_NETWORK`): the API server reaches a kubelet
+    (logs, exec) through the node's Hostname address, which is its name, so the name itself must be
+    an address of this machine."""
     root: Path
     kubelet_port: int
     healthz_port: int
@@ -121,10 +176,8 @@ class RealNode:
 
     @classmethod
     def create(cls, cluster: LocalCluster, number: int = 2) -> RealNode:
-        """Node 127.0.0.`number`, with the GPU labels of the fleet's node of that name, if any."""
-        name = f"127.0.0.{number}"
-        if not 2 <= number <= 254:
-            raise ValueError(f"node number must be 2..254 (a 127.0.0.N address), not {number}")
+        """Node 198.18.0.`number`, with the GPU labels of the fleet's node of that name, if any."""
+        name = node_address(number)
         root = cluster.workdir / f"node-{name}"
         root.mkdir(parents=True, exist_ok=True)
         fleet_node = next((n for n in cluster.settings.fleet.nodes if n.name == name), None)
@@ -168,7 +221,9 @@ state = "{self.root / "containerd" / "state"}"
   address = "{self.socket}"
 
 [plugins."io.containerd.cri.v1.images"]
-  snapshotter = "native"
+  # overlayfs, not native: native copies an image's whole root filesystem for every container
+  # (the product image's 415 MB took the kubelet's 2-minute CreateContainer deadline with 2 cores).
+  snapshotter = "overlayfs"
   [plugins."io.containerd.cri.v1.images".pinned_images]
     sandbox = "{PAUSE_IMAGE}"
 
@@ -242,9 +297,12 @@ state = "{self.root / "containerd" / "state"}"
         base = Path("/sys/fs/cgroup")
         return [d / self.cgroup_root for d in sorted(base.iterdir()) if d.is_dir() and d.name != "unified"]
 
-    def start(self, *, timeout_s: float = 120.0) -> float:
-        """Start containerd, import the images, start the kubelet; the seconds until the Node is Ready."""
+    def start(self, *, timeout_s: float = 120.0, images: Sequence[Path] = ()) -> float:
+        """Start containerd, import the images (the node's own and `images`, OCI archives), start the
+        kubelet; the seconds until the Node is Ready."""
         started = time.monotonic()
+        self.cluster.cleanups.append(self.cleanup)
+        claim_address(self.name)
         for cgroup in self._cgroups():
             cgroup.mkdir(exist_ok=True)
         bin_dir = tools_bin_dir()
@@ -257,10 +315,10 @@ state = "{self.root / "containerd" / "state"}"
             env=env,
         )
         self.cluster.components[containerd.name] = containerd
-        self.cluster.cleanups.append(self.cleanup)
         self.cluster.start_component(containerd.name)
-        for tarball in node_images():
-            result = self._ctr("images", "import", "--all-platforms", str(tarball))
+        for tarball in [*node_images(), *images]:
+            # Unpacked now, for the CRI's snapshotter: the first container need not wait for it.
+            result = self._ctr("images", "import", "--snapshotter=overlayfs", "--all-platforms", str(tarball))
             if result.returncode != 0:
                 raise ClusterError(f"ctr images import {tarball.name} failed: {result.stderr.strip()}")
         kubelet = Component(
@@ -270,6 +328,7 @@ state = "{self.root / "containerd" / "state"}"
                 f"--config={self._kubelet_config()}",
                 f"--kubeconfig={self.cluster.kubeconfig}",
                 f"--hostname-override={self.name}",
+                f"--node-ip={self.name}",
                 f"--root-dir={self.root / 'kubelet'}",
                 f"--cert-dir={self.root / 'kubelet-pki'}",
                 "--node-labels=" + ",".join(f"{k}={v}" for k, v in sorted(self.labels.items())),
@@ -283,6 +342,12 @@ state = "{self.root / "containerd" / "state"}"
         kubelet.start()
         kubelet.wait_ready(timeout_s=timeout_s)
         return time.monotonic() - started
+
+    def tag_image(self, source: str, target: str) -> None:
+        """A second name for an imported image (an upgrade to a new tag, with no registry to push to)."""
+        result = self._ctr("images", "tag", "--force", source, target)
+        if result.returncode != 0:
+            raise ClusterError(f"ctr images tag {source} {target} failed: {result.stderr.strip()}")
 
     def cleanup(self) -> None:
         """After containerd and the kubelet stopped: end what they leave behind on this machine, the
@@ -312,6 +377,7 @@ state = "{self.root / "containerd" / "state"}"
                         d.rmdir()
                 with contextlib.suppress(OSError):
                     cgroup.rmdir()
+        release_address(self.name)
 
     def _ctr(self, *args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(

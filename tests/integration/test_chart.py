@@ -117,7 +117,7 @@ def test_settings_are_named_as_the_components_name_them() -> None:
         "VRAMSHARE_TLS_KEY_FILE",
         "VRAMSHARE_TLS_SYNC_INTERVAL_S",
     }
-    assert controller_fields - set(controller) == {"VRAMSHARE_KUBECONFIG"}
+    assert controller_fields - set(controller) == {"VRAMSHARE_KUBECONFIG", "VRAMSHARE_METRICS_HOST"}
     assert webhook["VRAMSHARE_POLICY"] == controller["VRAMSHARE_POLICY"] == "binpack"  # queued pods too
     assert webhook["VRAMSHARE_QUEUE_BY_DEFAULT"] == "true"
     assert webhook["VRAMSHARE_DENIAL_CODE"] == "429"
@@ -384,6 +384,39 @@ def test_names_security_context_port_and_host_network_are_values() -> None:
     assert plain["containers"][0]["securityContext"]["runAsUser"] == 65532
 
 
+def test_on_the_node_network_each_pod_listens_on_its_ip_and_rolls_one_at_a_time() -> None:
+    docs = render(
+        *("--set", "webhook.hostNetwork=true", "--set", "controller.hostNetwork=true"),
+        *("--set", "global.apiServer.host=10.1.2.3", "--set", "global.apiServer.port=6443"),
+    )
+    on_pod_ip = {"fieldRef": {"fieldPath": "status.podIP"}}
+    one_at_a_time = {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}
+    for name, listen in (("-webhook", "VRAMSHARE_HOST"), ("-controller", "VRAMSHARE_METRICS_HOST")):
+        deployment = find(docs, "Deployment", name)
+        assert deployment["spec"]["template"]["spec"]["hostNetwork"] is True
+        # A surge pod would find its port taken on every node: the rollout would stall.
+        assert deployment["spec"]["strategy"] == one_at_a_time
+        variables = env(deployment)
+        assert variables[listen] == on_pod_ip
+        assert (variables["KUBERNETES_SERVICE_HOST"], variables["KUBERNETES_SERVICE_PORT"]) == (
+            "10.1.2.3",
+            "6443",
+        )
+    (test_pod,) = [d for d in docs if d["kind"] == "Pod"]
+    assert test_pod["spec"]["hostNetwork"] is True
+    assert {e["name"]: e["value"] for e in test_pod["spec"]["containers"][0]["env"]} == {
+        "KUBERNETES_SERVICE_HOST": "10.1.2.3",
+        "KUBERNETES_SERVICE_PORT": "6443",
+    }
+    for deployment in (find(render(), "Deployment", "-webhook"), find(render(), "Deployment", "-controller")):
+        assert "strategy" not in deployment["spec"]
+        assert not {"KUBERNETES_SERVICE_HOST", "VRAMSHARE_HOST", "VRAMSHARE_METRICS_HOST"} & set(
+            env(deployment)
+        )
+    refused = helm("template", "t", str(CHART), "--set", "global.apiServer.host=x", check=False)
+    assert "global.apiServer.port is required with global.apiServer.host" in refused.stderr
+
+
 def test_alerts_read_metrics_vramshare_exports_and_helm_test_checks_the_webhook() -> None:
     docs = render("--set", "prometheusRule.enabled=true")
     rules = find(docs, "PrometheusRule")["spec"]["groups"][0]["rules"]
@@ -404,10 +437,21 @@ def test_alerts_read_metrics_vramshare_exports_and_helm_test_checks_the_webhook(
         assert used <= exported, (rule["alert"], used - exported)
         assert rule["labels"]["severity"] in ("warning", "critical")
     assert "PrometheusRule" not in {d["kind"] for d in render()}
-    (test_pod,) = [d for d in render() if d["metadata"].get("annotations", {}).get("helm.sh/hook") == "test"]
+    hooks = [d for d in render() if d["metadata"].get("annotations", {}).get("helm.sh/hook") == "test"]
+    assert sorted(d["kind"] for d in hooks) == ["Pod", "Role", "RoleBinding", "ServiceAccount"]
+    (test_pod,) = [d for d in hooks if d["kind"] == "Pod"]
     script = test_pod["spec"]["containers"][0]["args"][0]
-    assert "https://t-vramshare-webhook.vramshare.svc:443/mutate" in script
+    # Every endpoint of the Service, verified for the Service's name (run for real by test_real_node_e2e).
+    assert '"vramshare", "t-vramshare-webhook", "https"' in script
+    assert test_pod["spec"]["serviceAccountName"] == "t-vramshare-test-webhook"
     assert test_pod["spec"]["volumes"][0]["secret"]["secretName"] == "t-vramshare-webhook-tls"
+    (role,) = [d for d in hooks if d["kind"] == "Role"]
+    assert role["rules"] == [
+        {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["list"]}
+    ]
+    assert all(
+        int(d["metadata"]["annotations"]["helm.sh/hook-weight"]) < 0 for d in hooks if d["kind"] != "Pod"
+    )
 
 
 def test_the_chart_readme_is_generated_from_the_values_and_current() -> None:

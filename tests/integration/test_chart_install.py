@@ -3,17 +3,14 @@ rights for its end-to-end flow (sufficiency), and refused what it does not need 
 
 from __future__ import annotations
 
-import base64
 import json
 import os
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from vramshare_e2e.cluster import RUN_DURATION_ANNOTATION, LocalCluster, eventually, free_port
 from vramshare_e2e.components import start_controller, start_webhook
@@ -231,37 +228,6 @@ def test_vramshare_runs_as_the_chart_identities(stack: LocalCluster) -> None:
     for component in ("webhook", "controller"):
         log = stack.components[component].log_path.read_text()
         assert "forbidden" not in log.lower(), log[-3000:]
-
-
-def test_the_helm_test_hook_passes_against_the_installed_webhook(stack: LocalCluster, tmp_path: Path) -> None:
-    """`helm test`'s pod cannot run here (kwok runs no containers), so its script, as the release
-    installed it, runs as a process: against the replica serving the chart's TLS Secret, verified
-    with that Secret's ca.crt, only the address swapped for the replica's on loopback."""
-    (hook,) = [
-        d
-        for d in yaml.safe_load_all(helm(stack, "get", "hooks", "t", "-n", NS))
-        if d and d["metadata"]["annotations"].get("helm.sh/hook") == "test"
-    ]
-    (container,) = hook["spec"]["containers"]
-    assert container["command"] == ["python", "-c"]
-    (script,) = container["args"]
-    service_url = f"https://t-vramshare-webhook.{NS}.svc:443/mutate"
-    assert service_url in script
-    replica_url = json.loads(
-        stack.kubectl("get", "mutatingwebhookconfiguration", "t-vramshare", "-o", "json")
-    )["webhooks"][0]["clientConfig"]["url"]
-    ca = tmp_path / "ca.crt"
-    secret = json.loads(stack.kubectl("get", "secret", "t-vramshare-webhook-tls", "-n", NS, "-o", "json"))
-    ca.write_bytes(base64.b64decode(secret["data"]["ca.crt"]))
-    done = subprocess.run(
-        [sys.executable, "-c", script.replace(service_url, replica_url).replace("/tls/ca.crt", str(ca))],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "the vramshare webhook answered over verified TLS"
 
 
 def test_pinning_annotations_cannot_be_changed_after_admission(stack: LocalCluster) -> None:

@@ -1,87 +1,108 @@
-"""A real node beside the kwok ones: kubelet, containerd 2 and runc on this machine, registered to the
-local API server, its GPUs fake (in the fake exporter's fleet under the node's name). vramshare's
-webhook and controller admit and place a GPU pod on it, and the container *runs*: it prints the
-environment it really got, read back through the API server's pod log. A pod without a request in a
-managed namespace runs with NVIDIA_VISIBLE_DEVICES=none although its image sets `all`."""
+"""vramshare as an operator installs it, on real nodes: two kubelets with containerd 2 and runc on this
+machine beside the kwok nodes, each with a fake H100 in the fake exporter's fleet (under the node's
+name). `helm install` from charts/vramshare with the image `make image` builds (imported into the
+nodes' containerd: no registry), and only the values an operator sets: the image, Prometheus's URL,
+hostNetwork (pods here have no route to anything off their node but loopback), the API server's
+address (no kube-proxy routes the kubernetes Service) and a nodeSelector. Nothing of vramshare runs
+from the virtualenv.
+
+The webhook and controller are pods with their ServiceAccount tokens, probes, the self-managed TLS
+Secret and the Lease; the API server calls the webhook through its Service (at an endpoint: no
+kube-proxy, --enable-aggregator-routing). GPU task pods on the real nodes *run*, printing what they
+got; load pods (small A100 bookings) go to the kwok nodes, so hundreds of them cost no containers.
+"""
 
 from __future__ import annotations
 
 import json
+import shutil
+import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
 from kubernetes import client, config
 
 from vramshare.kube.resources import ANNOTATION_GPU_UUID, ANNOTATION_RESERVATION
-from vramshare_e2e.cluster import ClusterSettings, LocalCluster, eventually
-from vramshare_e2e.components import start_controller, start_webhook, webhook_configuration
-from vramshare_e2e.fleet import FakeGpu, FakeNode, Fleet, stable_gpu_uuid
-from vramshare_e2e.node import TASK_IMAGE, RealNode
+from vramshare_e2e.airflow import prepare
+from vramshare_e2e.cluster import RUN_DURATION_ANNOTATION, LocalCluster, eventually
+from vramshare_e2e.fleet import stable_gpu_uuid
+from vramshare_e2e.image import ProductImage
+from vramshare_e2e.node import TASK_IMAGE, node_address
+from vramshare_e2e.real_cluster import (
+    CHART,
+    NAMESPACE,
+    RELEASE,
+    UPGRADE_TAG_SUFFIX,
+    RealCluster,
+    real_cluster,
+)
 
 pytestmark = pytest.mark.cluster
 
-REAL = "127.0.0.2"
-H100 = stable_gpu_uuid(REAL, 0)
-A100 = stable_gpu_uuid("gpu-node-a", 0)
-CONTROLLER_ENV = {"VRAMSHARE_POLL_INTERVAL_S": "1", "VRAMSHARE_LIFECYCLE_INTERVAL_S": "1"}
+REAL = (node_address(2), node_address(3))
+H100 = {name: stable_gpu_uuid(name, 0) for name in REAL}
+NS, JOBS, LOAD = NAMESPACE, "jobs", "load"
+WEBHOOK, CONTROLLER = f"{RELEASE}-vramshare-webhook", f"{RELEASE}-vramshare-controller"
+HERE = Path(__file__).resolve().parent
 
 
-def fleet() -> Fleet:
-    return Fleet(
-        nodes=[
-            FakeNode(
-                name="gpu-node-a",
-                gpus=[
-                    FakeGpu(
-                        uuid=A100,
-                        index=0,
-                        model="NVIDIA A100-SXM4-40GB",
-                        total_mib=40_960,
-                        driver_reserved_mib=512,
-                    )
-                ],
-            ),
-            FakeNode(
-                name=REAL,
-                real=True,
-                gpus=[
-                    FakeGpu(
-                        uuid=H100,
-                        index=0,
-                        model="NVIDIA H100 80GB HBM3",
-                        total_mib=81_559,
-                        driver_reserved_mib=512,
-                    )
-                ],
-            ),
-        ]
-    )
+@dataclass
+class Stack:
+    real: RealCluster
+    core: client.CoreV1Api
 
+    @property
+    def cluster(self) -> LocalCluster:
+        return self.real.cluster
 
-@pytest.fixture(scope="module")
-def stack() -> Iterator[tuple[LocalCluster, RealNode]]:
-    with LocalCluster.start(settings=ClusterSettings(fleet=fleet())) as local:
-        node = RealNode.create(local, 2)
-        took = node.start()
-        print(f"\nreal node {node.name} Ready {took:.1f} s after containerd started")
-        port = start_webhook(local, name="webhook")[1]
-        local.apply_objects([webhook_configuration(local, ports={"real": port})])
-        local.kubectl("create", "namespace", "jobs")
-        local.kubectl("label", "namespace", "jobs", "vramshare-e2e/shard=real", "vramshare.io/managed=true")
-        start_controller(local, name="controller", env=CONTROLLER_ENV)
-        yield local, node
+    @property
+    def image(self) -> ProductImage:
+        return self.real.image
+
+    def helm(self, *args: str) -> str:
+        return self.real.helm(*args)
+
+    def pods(self, component: str) -> list[client.V1Pod]:
+        selector = f"app.kubernetes.io/instance={RELEASE},app.kubernetes.io/component={component}"
+        return list(self.core.list_namespaced_pod(NS, label_selector=selector).items)
+
+    def pods_report(self) -> str:
+        return self.real.pods_report()
+
+    def leader(self) -> str | None:
+        lease = json.loads(
+            self.cluster.kubectl("get", "lease", CONTROLLER, "-n", NS, "-o", "json", check=False) or "{}"
+        )
+        holder: str | None = lease.get("spec", {}).get("holderIdentity")
+        return holder
 
 
 @pytest.fixture(scope="module")
-def core(stack: tuple[LocalCluster, RealNode]) -> client.CoreV1Api:
-    return client.CoreV1Api(config.new_client_from_config(config_file=str(stack[0].kubeconfig)))
+def stack() -> Iterator[Stack]:
+    with real_cluster(nodes=2, managed=(JOBS, LOAD)) as real:
+        assert tuple(n.name for n in real.nodes) == REAL
+        core = client.CoreV1Api(config.new_client_from_config(config_file=str(real.cluster.kubeconfig)))
+        print(
+            f"\nreal nodes Ready in {', '.join(f'{s:.1f} s' for s in real.node_ready_s)}; "
+            f"helm install --wait {real.install_s:.1f} s"
+        )
+        yield Stack(real=real, core=core)
 
 
-def task_pod(name: str, *, mib: int | None, script: str, node: str | None = None) -> client.V1Pod:
+def task_pod(
+    name: str, *, mib: int | None, script: str, node: str | None = None, model: str | None = None
+) -> client.V1Pod:
+    annotations = {"gpu-mem-mb": str(mib)} if mib else {}
+    if model:
+        annotations["gpu-model"] = model
     return client.V1Pod(
-        metadata=client.V1ObjectMeta(name=name, annotations={"gpu-mem-mb": str(mib)} if mib else None),
+        metadata=client.V1ObjectMeta(name=name, annotations=annotations or None),
         spec=client.V1PodSpec(
             restart_policy="Never",
             node_selector={"kubernetes.io/hostname": node} if node else None,
@@ -94,80 +115,341 @@ def task_pod(name: str, *, mib: int | None, script: str, node: str | None = None
     )
 
 
+def load_pod(name: str) -> client.V1Pod:
+    """A small A100 booking that kwok runs for 2 s: load without containers."""
+    return client.V1Pod(
+        metadata=client.V1ObjectMeta(
+            name=name,
+            annotations={"gpu-mem-mb": "64", "gpu-model": "NVIDIA A100*", RUN_DURATION_ANNOTATION: "2s"},
+        ),
+        spec=client.V1PodSpec(
+            restart_policy="Never", containers=[client.V1Container(name="base", image="example.invalid/task")]
+        ),
+    )
+
+
 def finished(core: client.CoreV1Api, name: str) -> client.V1Pod | None:
-    pod = core.read_namespaced_pod(name, "jobs")
+    pod = core.read_namespaced_pod(name, JOBS)
     return pod if pod.status.phase in ("Succeeded", "Failed") else None
 
 
 def logged_env(core: client.CoreV1Api, name: str) -> dict[str, str]:
-    text = core.read_namespaced_pod_log(name, "jobs")
+    text = core.read_namespaced_pod_log(name, JOBS)
     return dict(line.split("=", 1) for line in text.splitlines() if "=" in line)
 
 
+def reservations(cluster: LocalCluster, namespace: str) -> list[dict[str, Any]]:
+    items: list[dict[str, Any]] = json.loads(
+        cluster.kubectl("get", "gpureservations", "-n", namespace, "-o", "json")
+    )["items"]
+    return items
+
+
 def reservation_phase(cluster: LocalCluster, name: str) -> str:
-    found = json.loads(cluster.kubectl("get", "gpureservations", "-n", "jobs", "-o", "json"))["items"]
     return next(
-        (r.get("status", {}).get("phase", "") for r in found if r["metadata"]["name"] == name), "gone"
+        (
+            r.get("status", {}).get("phase", "")
+            for r in reservations(cluster, JOBS)
+            if r["metadata"]["name"] == name
+        ),
+        "gone",
     )
 
 
-def test_the_real_node_registers_beside_the_kwok_nodes_and_its_gpus_are_known(
-    stack: tuple[LocalCluster, RealNode],
+def ready(pod: client.V1Pod) -> bool:
+    return pod.metadata.deletion_timestamp is None and any(
+        c.type == "Ready" and c.status == "True" for c in pod.status.conditions or []
+    )
+
+
+def admitted_count(stack: Stack, pod: str) -> int:
+    """How many admissions a webhook pod logged (its log, read through the API server and kubelet)."""
+    log = stack.core.read_namespaced_pod_log(pod, NS)
+    return log.count('"outcome": "admitted"')
+
+
+class Load:
+    """Pods created steadily in the load namespace from a thread, each outcome counted."""
+
+    def __init__(self, stack: Stack, *, prefix: str, count: int, per_s: float = 10.0) -> None:
+        self.stack, self.prefix, self.count, self.per_s = stack, prefix, count, per_s
+        self.outcomes: Counter[str] = Counter()
+        self.failures: list[str] = []
+        self.created: list[str] = []
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _create(self, i: int) -> None:
+        name = f"{self.prefix}-{i:03d}"
+        try:
+            made = self.stack.core.create_namespaced_pod(LOAD, load_pod(name))
+        except client.ApiException as exc:
+            self.outcomes[f"HTTP {exc.status}"] += 1
+            self.failures.append(
+                json.loads(exc.body).get("message", exc.body)[:300] if exc.body else str(exc)
+            )
+            return
+        self.created.append(name)
+        self.outcomes["pinned" if made.metadata.annotations.get(ANNOTATION_GPU_UUID) else "not pinned"] += 1
+
+    def _run(self) -> None:
+        with ThreadPoolExecutor(max_workers=6) as pool:
+            for i in range(self.count):
+                pool.submit(self._create, i)
+                time.sleep(1 / self.per_s)
+
+    def __enter__(self) -> Load:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._thread.join()
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
+
+def assert_one_booking_per_pod(stack: Stack, names: list[str]) -> None:
+    """Every created pod has exactly one booking, and no booking belongs to a pod never created."""
+    booked = Counter(r["spec"]["podName"] for r in reservations(stack.cluster, LOAD))
+    doubles = {pod: n for pod, n in booked.items() if n > 1}
+    assert not doubles, f"double bookings: {doubles}"
+    assert set(names) <= set(booked), f"pods without a booking: {sorted(set(names) - set(booked))[:5]}"
+
+
+def test_the_chart_runs_as_pods_webhook_behind_its_service_controller_leading_gpus_ready(
+    stack: Stack,
 ) -> None:
-    cluster, _ = stack
+    cluster = stack.cluster
     nodes = {
         n["metadata"]["name"]: n for n in json.loads(cluster.kubectl("get", "nodes", "-o", "json"))["items"]
     }
-    assert set(nodes) == {"gpu-node-a", REAL}
-    real = nodes[REAL]
-    assert real["status"]["nodeInfo"]["containerRuntimeVersion"].startswith("containerd://2.")
-    assert real["metadata"]["labels"]["nvidia.com/gpu.product"] == "NVIDIA-H100-80GB-HBM3"
-    assert "kwok.x-k8s.io/node" not in real["metadata"].get("annotations", {})
-    device: dict[str, Any] = eventually(
-        lambda: next(
-            (
-                d
-                for d in json.loads(cluster.kubectl("get", "gpudevices", "-o", "json"))["items"]
-                if d["spec"]["uuid"] == H100 and d.get("status", {}).get("state") == "Ready"
-            ),
-            None,
-        ),
-        what="the real node's GPU Ready",
+    for name in REAL:
+        assert nodes[name]["status"]["nodeInfo"]["containerRuntimeVersion"].startswith("containerd://2.")
+        assert "kwok.x-k8s.io/node" not in nodes[name]["metadata"].get("annotations", {})
+    # helm's --wait needs only as many Ready as the rollout's budget allows: here, one of two.
+    webhooks = eventually(
+        lambda: (found := stack.pods("webhook")) and [ready(p) for p in found] == [True, True] and found,
+        what="both webhook pods Ready",
+        timeout_s=180,
+        detail=stack.pods_report,
     )
-    assert device["spec"]["nodeName"] == REAL
+    # One on each real node (hostNetwork: each holds its port on its node).
+    assert sorted(p.spec.node_name for p in webhooks) == sorted(REAL)
+    for pod in webhooks:
+        (container,) = pod.status.container_statuses
+        assert container.image.endswith(stack.image.reference)
+        assert container.ready
+        assert pod.status.pod_ip in REAL
+    # The Service's endpoints are the two pods, and the API server calls the webhook through it.
+    slices = json.loads(
+        cluster.kubectl(
+            "get", "endpointslices", "-n", NS, "-l", f"kubernetes.io/service-name={WEBHOOK}", "-o", "json"
+        )
+    )["items"]
+    addresses = sorted(
+        a for s in slices for e in s["endpoints"] if e["conditions"].get("ready") for a in e["addresses"]
+    )
+    assert addresses == sorted(REAL)
+    configuration = json.loads(
+        cluster.kubectl("get", "mutatingwebhookconfiguration", f"{RELEASE}-vramshare", "-o", "json")
+    )
+    assert configuration["webhooks"][0]["clientConfig"]["service"]["name"] == WEBHOOK
+    # The webhook's own CA, put there by it (self-managed TLS).
+    assert configuration["webhooks"][0]["clientConfig"].get("caBundle")
+    # One controller leads through its Lease; the other stands by.
+    controllers = {p.metadata.name for p in stack.pods("controller")}
+    assert len(controllers) == 2
+    leader = eventually(stack.leader, what="a controller holding the Lease", timeout_s=60)
+    assert leader in controllers
+    devices = eventually(
+        lambda: (
+            (
+                found := {
+                    d["spec"]["uuid"]: d
+                    for d in json.loads(cluster.kubectl("get", "gpudevices", "-o", "json"))["items"]
+                    if d.get("status", {}).get("state") == "Ready"
+                }
+            )
+            and set(H100.values()) <= set(found)
+            and found
+        ),
+        what="the real nodes' GPUs Ready",
+        timeout_s=60,
+    )
+    assert {devices[u]["spec"]["nodeName"] for u in H100.values()} == set(REAL)
+    print(f"\nhelm install --wait: {stack.real.install_s:.1f} s; leader {leader}")
 
 
-def test_a_gpu_pod_runs_on_the_real_node_with_the_gpu_it_was_given(
-    stack: tuple[LocalCluster, RealNode], core: client.CoreV1Api
-) -> None:
-    cluster, _ = stack
+def test_helm_test_runs_its_pod_and_every_webhook_endpoint_answers(stack: Stack) -> None:
+    started = time.monotonic()
+    out = stack.helm("test", RELEASE, "-n", NS, "--logs", "--timeout=180s")
+    print(f"\nhelm test in {time.monotonic() - started:.1f} s")
+    assert "Phase:          Succeeded" in out or "Phase: Succeeded" in out.replace("  ", " "), out
+    for address in REAL:
+        assert (
+            f"the vramshare webhook at {address}:8443 answered over TLS verified for {WEBHOOK}.{NS}.svc"
+            in out
+        ), out
+    assert f"all 2 endpoints of {WEBHOOK} answered" in out
+
+
+def test_a_gpu_pod_runs_on_a_real_node_with_the_gpu_it_was_given(stack: Stack) -> None:
+    cluster, core = stack.cluster, stack.core
     script = "env | grep -E '^(NVIDIA_|CUDA_|VRAMSHARE_|TF_|XLA_)' | sort; sleep 2"
     started = time.monotonic()
-    created = core.create_namespaced_pod("jobs", task_pod("train", mib=50_000, script=script))
-    assert created.metadata.annotations[ANNOTATION_GPU_UUID] == H100  # only the H100 has 50 000 MiB
+    created = core.create_namespaced_pod(JOBS, task_pod("train", mib=50_000, script=script))
+    uuid = created.metadata.annotations[ANNOTATION_GPU_UUID]
+    assert uuid in H100.values()  # only the H100s have 50 000 MiB
     booking = created.metadata.annotations[ANNOTATION_RESERVATION]
-    eventually(lambda: reservation_phase(cluster, booking) == "Bound", what="the booking Bound")
-    pod = eventually(lambda: finished(core, "train"), what="the container to run and exit", timeout_s=90)
-    print(f"\nGPU pod admitted, scheduled, run and exited in {time.monotonic() - started:.1f} s")
-    assert pod.spec.node_name == REAL
+    eventually(lambda: reservation_phase(cluster, booking) == "Bound", what="the booking Bound", timeout_s=60)
+    pod = eventually(lambda: finished(core, "train"), what="the container to run and exit", timeout_s=120)
+    print(
+        "\nGPU pod admitted by the chart's webhook, scheduled, run and exited in "
+        f"{time.monotonic() - started:.1f} s"
+    )
     assert pod.status.phase == "Succeeded"
+    assert H100[pod.spec.node_name] == uuid
     env = logged_env(core, "train")
-    assert env["NVIDIA_VISIBLE_DEVICES"] == H100
+    assert env["NVIDIA_VISIBLE_DEVICES"] == uuid
     assert env["CUDA_VISIBLE_DEVICES"] == "0"
     assert env["VRAMSHARE_GPU_MEMORY_MIB"] == "50000"
     assert "VRAMSHARE_GPU_MEMORY_FRACTION" in env
     eventually(
         lambda: reservation_phase(cluster, booking) in ("Released", "gone"),
         what="the booking released when the container exited",
-        timeout_s=30,
+        timeout_s=60,
     )
 
 
-def test_a_pod_without_a_request_runs_seeing_no_gpu_though_its_image_says_all(
-    stack: tuple[LocalCluster, RealNode], core: client.CoreV1Api
-) -> None:
+def test_a_pod_without_a_request_runs_seeing_no_gpu_though_its_image_says_all(stack: Stack) -> None:
     script = "echo NVIDIA_VISIBLE_DEVICES=$NVIDIA_VISIBLE_DEVICES"
-    core.create_namespaced_pod("jobs", task_pod("cpu-only", mib=None, script=script, node=REAL))
-    pod = eventually(lambda: finished(core, "cpu-only"), what="the CPU pod to run", timeout_s=90)
+    stack.core.create_namespaced_pod(JOBS, task_pod("cpu-only", mib=None, script=script, node=REAL[0]))
+    pod = eventually(lambda: finished(stack.core, "cpu-only"), what="the CPU pod to run", timeout_s=120)
     assert pod.status.phase == "Succeeded"
-    assert logged_env(core, "cpu-only") == {"NVIDIA_VISIBLE_DEVICES": "none"}
+    assert logged_env(stack.core, "cpu-only") == {"NVIDIA_VISIBLE_DEVICES": "none"}
+
+
+def test_a_kubernetes_pod_operator_task_runs_on_a_real_node_and_streams_what_it_got(
+    stack: Stack, tmp_path: Path
+) -> None:
+    airflow = prepare(stack.cluster, home=tmp_path / "airflow")
+    shutil.copy(HERE / "airflow" / "real_node_dags.py", airflow.home / "dags" / "vramshare_real_node.py")
+    started = time.monotonic()
+    run = airflow.run(
+        "dags",
+        "test",
+        "vramshare_real_node",
+        env={"VRAMSHARE_E2E_NAMESPACE": JOBS, "VRAMSHARE_E2E_IMAGE": TASK_IMAGE},
+        timeout_s=300,
+    )
+    took = time.monotonic() - started
+    (stack.cluster.logs_dir / "airflow-dags-test-vramshare_real_node.log").write_text(run.stdout)
+    (pod,) = stack.core.list_namespaced_pod(JOBS, label_selector="dag_id=vramshare_real_node").items
+    print(f"\nKubernetesPodOperator task on a real node: pod {pod.status.phase} after {took:.1f} s")
+    assert pod.status.phase == "Succeeded", run.stdout[-3000:]
+    assert pod.spec.node_name in REAL
+    uuid = pod.metadata.annotations[ANNOTATION_GPU_UUID]
+    assert uuid == H100[pod.spec.node_name]
+    env = logged_env(stack.core, pod.metadata.name)
+    assert env["NVIDIA_VISIBLE_DEVICES"] == uuid
+    assert env["VRAMSHARE_GPU_MEMORY_MIB"] == "30000"
+    # The operator streamed the container's output into the task's log, and the task succeeded.
+    assert f"NVIDIA_VISIBLE_DEVICES={uuid}" in run.stdout
+    listed = airflow.run("dags", "list-runs", "vramshare_real_node", "-o", "json").stdout
+    runs = json.loads(listed.strip().splitlines()[-1])
+    assert [r["state"] for r in runs] == ["success"], run.stdout[-3000:]
+
+
+def test_deleting_the_leading_controller_pod_hands_the_lease_to_the_other(stack: Stack) -> None:
+    leader = eventually(stack.leader, what="a leader", timeout_s=60)
+    others = {p.metadata.name for p in stack.pods("controller")} - {leader}
+    started = time.monotonic()
+    stack.core.delete_namespaced_pod(leader, NS)
+    new_leader = eventually(
+        lambda: (holder := stack.leader()) in others and holder,
+        what="the other controller leading",
+        timeout_s=60,
+    )
+    handover = time.monotonic() - started
+    print(f"\nleading controller pod deleted: {new_leader} took the Lease {handover:.1f} s later")
+    # The new leader acts: a booking made now is bound by it.
+    created = stack.core.create_namespaced_pod(LOAD, load_pod("after-failover"))
+    booking = created.metadata.annotations[ANNOTATION_RESERVATION]
+    eventually(
+        lambda: any(
+            r["metadata"]["name"] == booking and r.get("status", {}).get("phase") in ("Bound", "Released")
+            for r in reservations(stack.cluster, LOAD)
+        ),
+        what="the booking bound under the new leader",
+        timeout_s=60,
+    )
+    eventually(
+        lambda: len([p for p in stack.pods("controller") if ready(p)]) == 2,
+        what="the replacement controller",
+        timeout_s=120,
+    )
+
+
+def test_deleting_a_webhook_pod_under_load_fails_no_pod_creation(stack: Stack) -> None:
+    victim = stack.pods("webhook")[0].metadata.name
+    with Load(stack, prefix="during-delete", count=100) as load:
+        time.sleep(2)
+        stack.core.delete_namespaced_pod(victim, NS)
+    print(f"\n{load.count} creations while webhook pod {victim} was deleted: {dict(load.outcomes)}")
+    assert load.outcomes == {"pinned": load.count}, load.failures[:5]
+    assert_one_booking_per_pod(stack, load.created)
+    eventually(
+        lambda: len([p for p in stack.pods("webhook") if ready(p)]) == 2,
+        what="the replacement webhook pod Ready",
+        timeout_s=120,
+        detail=stack.pods_report,
+    )
+
+
+def test_helm_upgrade_to_a_new_image_tag_under_load_fails_no_creation_and_books_each_pod_once(
+    stack: Stack,
+) -> None:
+    old = {p.metadata.name for p in stack.pods("webhook")}
+    new_tag = stack.image.tag + UPGRADE_TAG_SUFFIX
+    with Load(stack, prefix="upgrade", count=240, per_s=8) as load:
+        time.sleep(2)
+        started = time.monotonic()
+        stack.helm(
+            "upgrade",
+            RELEASE,
+            str(CHART),
+            "-n",
+            NS,
+            "--reuse-values",
+            "--set",
+            f"global.image.tag={new_tag}",
+            "--wait",
+            "--timeout=300s",
+        )
+        rolled = time.monotonic() - started
+        still_loading = load.running
+    print(f"\nhelm upgrade --wait {rolled:.1f} s under {load.count} creations: {dict(load.outcomes)}")
+    assert still_loading, "the load ended before the rollout did: it proves nothing about the rollout"
+    assert load.outcomes == {"pinned": load.count}, load.failures[:5]
+    assert_one_booking_per_pod(stack, load.created)
+    # --wait returns once the rollout's budget is met (one of two Ready): the second may still start.
+    new = eventually(
+        lambda: len(found := [p for p in stack.pods("webhook") if ready(p)]) == 2 and found,
+        what="both new webhook pods Ready",
+        timeout_s=120,
+        detail=stack.pods_report,
+    )
+    assert not old & {p.metadata.name for p in new}
+    assert all(p.spec.containers[0].image.endswith(new_tag) for p in new)
+    # Afterwards the new pods answer everything.
+    before = {p.metadata.name: admitted_count(stack, p.metadata.name) for p in new}
+    with Load(stack, prefix="after-upgrade", count=20) as after:
+        pass
+    assert after.outcomes == {"pinned": 20}, after.failures[:5]
+    answered = eventually(
+        lambda: (n := sum(admitted_count(stack, p) - c for p, c in before.items())) >= 20 and n,
+        what="the new webhook pods' logs showing the 20 admissions",
+        timeout_s=30,
+    )
+    assert answered == 20

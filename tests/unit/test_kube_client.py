@@ -1,10 +1,12 @@
-"""Connection.load: how credentials are taken from a kubeconfig."""
+"""Connection.load: how credentials are taken from a kubeconfig and, in a pod, from its service account."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import yaml
+from kubernetes.client import Configuration
+from kubernetes.config.incluster_config import InClusterConfigLoader
 
 from tests.unit.fake_kube import FakeKube
 from vramshare.kube.client import Connection, KubeClient, list_all
@@ -38,6 +40,25 @@ def test_bearer_token_from_kubeconfig_is_sent(tmp_path: Path) -> None:
     assert connection.token == "abc123"
     headers = KubeClient(connection)._headers()
     assert headers["Authorization"] == "Bearer abc123"
+
+
+def test_the_in_cluster_service_account_token_is_sent(tmp_path: Path) -> None:
+    """kubernetes' own in-cluster loader, on a pod's files: it writes the scheme as "bearer"."""
+    token, ca = tmp_path / "token", tmp_path / "ca.crt"
+    token.write_text("sa-token-1\n")
+    ca.write_text("unused: not read by the loader\n")
+    configuration = Configuration()
+    InClusterConfigLoader(
+        token_filename=str(token),
+        cert_filename=str(ca),
+        environ={"KUBERNETES_SERVICE_HOST": "10.1.2.3", "KUBERNETES_SERVICE_PORT": "6443"},
+    ).load_and_set(configuration)
+    assert configuration.api_key["BearerToken"].startswith("bearer ")  # as found; the reason for this test
+    configuration.ssl_ca_cert = None  # the file above is no certificate
+    connection = Connection.from_configuration(configuration, token_file=token)
+    assert connection.host == "https://10.1.2.3:6443"
+    assert connection.token == "sa-token-1"
+    assert KubeClient(connection)._headers()["Authorization"] == "Bearer sa-token-1"
 
 
 def test_basic_auth_is_not_mistaken_for_a_token(tmp_path: Path) -> None:

@@ -63,3 +63,24 @@ app.kubernetes.io/component: {{ .component }}
 {{- define "vramshare.tlsSecret" -}}
 {{- if eq .Values.webhook.tls.mode "secret" -}}{{ required "webhook.tls.existingSecret is required in the secret TLS mode" .Values.webhook.tls.existingSecret }}{{- else -}}{{ include "vramshare.webhookName" . }}-tls{{- end -}}
 {{- end -}}
+
+{{/* The API server's address for every vramshare container, where set: overrides what the kubelet
+     derives from the kubernetes Service, for clusters where pods cannot reach Service IPs (no
+     kube-proxy yet, or hostNetwork pods on a kube-proxy replacement that serves only pod traffic). */}}
+{{- define "vramshare.apiServerEnv" -}}
+{{- with .Values.global.apiServer.host -}}
+- name: KUBERNETES_SERVICE_HOST
+  value: {{ . | quote }}
+- name: KUBERNETES_SERVICE_PORT
+  value: {{ required "global.apiServer.port is required with global.apiServer.host" $.Values.global.apiServer.port | toString | quote }}
+{{- end }}
+{{- end -}}
+
+{{/* On the node's network several components share the node's addresses: each listens on its
+     pod's IP (the node's), not on all of them. */}}
+{{- define "vramshare.podIPEnv" -}}
+- name: {{ .name }}
+  valueFrom:
+    fieldRef:
+      fieldPath: status.podIP
+{{- end -}}

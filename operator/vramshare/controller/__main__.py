@@ -14,6 +14,7 @@ from typing import Any
 
 import kopf
 import structlog
+from kopf._core.engines.peering import Identity  # kopf exports no public name for it
 from prometheus_client import start_http_server
 
 from vramshare import logs
@@ -71,7 +72,7 @@ def kopf_registry(
 
 async def run(settings: ControllerSettings) -> None:
     metrics = ControllerMetrics()
-    start_http_server(settings.metrics_port, registry=metrics.registry)
+    start_http_server(settings.metrics_port, addr=settings.metrics_host, registry=metrics.registry)
     connection = Connection.load(kubeconfig=settings.kubeconfig or None)
     async with KubeClient(connection, user_agent="vramshare-controller") as kube:
         elector = LeaseElector(
@@ -172,6 +173,9 @@ async def lead(
         asyncio.create_task(
             kopf.operator(
                 registry=kopf_registry(inventory, reconciler, queue),
+                # Our own name: kopf would otherwise make one with getpass.getuser(), which fails for
+                # a uid the image's /etc/passwd lacks (as restricted pods often run).
+                identity=Identity(elector.identity),
                 standalone=True,
                 clusterwide=True,
                 stop_flag=stop,

@@ -94,6 +94,9 @@ class ControllerSettings:
     """How often the leader renews and a stand-by looks."""
     identity: str = ""
     """This replica's name in the Lease; defaults to hostname-pid."""
+    metrics_host: str = "0.0.0.0"
+    """The address the metrics endpoint listens on; with hostNetwork the chart sets the pod's IP, so
+    replicas sharing a node's network do not also listen on its other addresses."""
     metrics_port: int = 8080
     kubeconfig: str = ""
     log_level: str = "info"

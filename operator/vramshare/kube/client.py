@@ -22,6 +22,7 @@ from kubernetes.client import Configuration
 
 Obj = dict[str, Any]
 
+SERVICE_ACCOUNT_TOKEN = Path("/var/run/secrets/kubernetes.io/serviceaccount/token")
 _TOKEN_REREAD_S = 60.0  # projected service-account tokens rotate; re-read the file this often
 
 
@@ -58,32 +59,35 @@ class Connection:
         """From a kubeconfig file, else the in-cluster service account, else ~/.kube/config (or
         $KUBECONFIG); `context` picks one of the kubeconfig's contexts."""
         configuration = Configuration()
-        in_cluster = False
         if kubeconfig or context:
             kube_config.load_kube_config(
                 config_file=kubeconfig or None, context=context, client_configuration=configuration
             )
-        else:
-            try:
-                kube_config.load_incluster_config(client_configuration=configuration)
-                in_cluster = True
-            except kube_config.ConfigException:
-                kube_config.load_kube_config(client_configuration=configuration)
+            return cls.from_configuration(configuration)
+        try:
+            kube_config.load_incluster_config(client_configuration=configuration)
+        except kube_config.ConfigException:
+            kube_config.load_kube_config(client_configuration=configuration)
+            return cls.from_configuration(configuration)
+        return cls.from_configuration(configuration, token_file=SERVICE_ACCOUNT_TOKEN)
+
+    @classmethod
+    def from_configuration(cls, configuration: Configuration, *, token_file: Path | None = None) -> Self:
+        """From a kubernetes client Configuration as its config loaders fill it in; `token_file`: the
+        in-cluster token's file, re-read as it rotates."""
         tls = ssl.create_default_context(cafile=configuration.ssl_ca_cert)
         if configuration.cert_file:
             tls.load_cert_chain(configuration.cert_file, configuration.key_file)
         if not configuration.verify_ssl:
             tls.check_hostname = False
             tls.verify_mode = ssl.CERT_NONE
-        # The key is "BearerToken" in current kubernetes clients and "authorization" in older ones.
+        # The key is "BearerToken" in current kubernetes clients and "authorization" in older ones;
+        # the scheme is "Bearer" from a kubeconfig but "bearer" in cluster (kubernetes 37's
+        # incluster_config.py): matched without case, or every in-cluster request goes anonymous.
         raw = configuration.api_key.get("BearerToken") or configuration.api_key.get("authorization") or ""
-        token = raw.removeprefix("Bearer ") if raw.startswith("Bearer ") else None
-        return cls(
-            host=configuration.host.rstrip("/"),
-            ssl_context=tls,
-            token=token,
-            token_file=Path("/var/run/secrets/kubernetes.io/serviceaccount/token") if in_cluster else None,
-        )
+        scheme, _, value = raw.strip().partition(" ")
+        token = value.strip() if scheme.lower() == "bearer" and value.strip() else None
+        return cls(host=configuration.host.rstrip("/"), ssl_context=tls, token=token, token_file=token_file)
 
 
 class KubeClient:

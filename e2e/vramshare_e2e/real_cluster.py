@@ -1,0 +1,131 @@
+"""vramshare installed by its Helm chart on real nodes of the local cluster, as an operator installs it.
+
+Two kubelets with containerd (`vramshare_e2e.node`) beside the kwok nodes, each with a fake H100 in
+the exporter's fleet; the image `make image` builds (`vramshare_e2e.image`) imported into their
+containerd; `helm install` with only what an operator sets for such nodes (`operator_values`). Used by
+tests/integration/test_real_node_e2e.py and `make demo REAL_NODE=1`.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from vramshare_e2e.cluster import ClusterError, ClusterSettings, LocalCluster, say
+from vramshare_e2e.fleet import FakeGpu, FakeNode, Fleet, default_fleet, stable_gpu_uuid
+from vramshare_e2e.image import ProductImage, product_image
+from vramshare_e2e.node import RealNode, images_cache, node_address
+
+CHART = Path(__file__).resolve().parents[2] / "charts" / "vramshare"
+RELEASE, NAMESPACE = "vs", "vramshare-system"
+UPGRADE_TAG_SUFFIX = "-upgrade"
+"""A second tag of the same image on every node: `helm upgrade` to it replaces every pod."""
+REAL_NODE_LABEL = "vramshare-e2e/real-node"
+
+
+def real_node_fleet(names: tuple[str, ...]) -> Fleet:
+    """The default kwok fleet plus one fake H100 80 GB on each real node."""
+    real = [
+        FakeNode(
+            name=name,
+            real=True,
+            gpus=[
+                FakeGpu(
+                    uuid=stable_gpu_uuid(name, 0),
+                    index=0,
+                    model="NVIDIA H100 80GB HBM3",
+                    total_mib=81_559,
+                    driver_reserved_mib=512,
+                )
+            ],
+        )
+        for name in names
+    ]
+    return Fleet(nodes=[*default_fleet().nodes, *real])
+
+
+def operator_values(cluster: LocalCluster, image: ProductImage) -> list[str]:
+    """What an operator sets for nodes like these, and nothing else: the image (imported, so never
+    pulled), Prometheus, hostNetwork (pods here reach nothing off their node but loopback), the API
+    server's address (no kube-proxy routes the kubernetes Service) and a nodeSelector."""
+    port = cluster.api_url.rsplit(":", 1)[1]
+    on_real_nodes = json.dumps({REAL_NODE_LABEL: "true"})
+    return [
+        *("--set", f"global.image.repository={image.repository}"),
+        *("--set", f"global.image.tag={image.tag}"),
+        *("--set", "global.image.pullPolicy=Never"),
+        *("--set", "global.apiServer.host=127.0.0.1", "--set", f"global.apiServer.port={port}"),
+        *("--set", "webhook.hostNetwork=true", "--set", "controller.hostNetwork=true"),
+        *("--set-json", f"webhook.nodeSelector={on_real_nodes}"),
+        *("--set-json", f"controller.nodeSelector={on_real_nodes}"),
+        *("--set", f"controller.settings.prometheus_url={cluster.prometheus_url}"),
+    ]
+
+
+@dataclass
+class RealCluster:
+    cluster: LocalCluster
+    nodes: list[RealNode]
+    image: ProductImage
+    node_ready_s: list[float] = field(default_factory=list)
+    install_s: float = 0.0
+
+    def helm(self, *args: str, timeout_s: float = 600) -> str:
+        result = subprocess.run(
+            [str(self.cluster.bin_dir / "helm"), "--kubeconfig", str(self.cluster.kubeconfig), *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            check=False,
+        )
+        if result.returncode != 0:
+            raise ClusterError(f"helm {args[0]} failed: {result.stderr.strip()}\n{self.pods_report()}")
+        return result.stdout
+
+    def pods_report(self) -> str:
+        return self.cluster.kubectl("get", "pods", "-n", NAMESPACE, "-o", "wide", check=False)
+
+    def install(self) -> float:
+        """`helm install --wait`; the seconds it took."""
+        started = time.monotonic()
+        self.helm(
+            "install",
+            RELEASE,
+            str(CHART),
+            "-n",
+            NAMESPACE,
+            "--create-namespace",
+            "--wait",
+            "--timeout=300s",
+            *operator_values(self.cluster, self.image),
+        )
+        self.install_s = time.monotonic() - started
+        return self.install_s
+
+
+@contextmanager
+def real_cluster(*, nodes: int = 2, managed: tuple[str, ...] = ()) -> Iterator[RealCluster]:
+    """A local cluster with `nodes` real nodes (198.18.0.2 and up) and vramshare installed by its chart;
+    `managed` namespaces are created and labelled vramshare.io/managed=true."""
+    image = product_image(images_cache())
+    names = tuple(node_address(n) for n in range(2, 2 + nodes))
+    with LocalCluster.start(settings=ClusterSettings(fleet=real_node_fleet(names))) as local:
+        real = RealCluster(
+            cluster=local, nodes=[RealNode.create(local, n) for n in range(2, 2 + nodes)], image=image
+        )
+        for node in real.nodes:
+            real.node_ready_s.append(node.start(images=[image.archive]))
+            node.tag_image(image.reference, image.reference + UPGRADE_TAG_SUFFIX)
+        say(f"real nodes {', '.join(names)} Ready in {', '.join(f'{s:.1f} s' for s in real.node_ready_s)}")
+        for ns in managed:
+            local.kubectl("create", "namespace", ns)
+            local.kubectl("label", "namespace", ns, "vramshare.io/managed=true")
+        say("helm install from charts/vramshare (the webhook and controller as pods on the real nodes)")
+        real.install()
+        say(f"helm install --wait: {real.install_s:.1f} s")
+        yield real
