@@ -4,10 +4,12 @@
 # and the Go version. A warm cache makes this a no-op; a cold one builds once, printing progress.
 #   control plane: etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kubectl, kwok, helm
 #   real nodes:    kubelet (with the control plane), containerd + shim + ctr, runc (cgo, seccomp),
-#                  the CNI loopback plugin and ours (cni-loopback), crictl, pause
+#                  the CNI loopback plugin and ours (cni-loopback), crictl, pause, NVIDIA's container
+#                  runtime and nvidia-ctk (nvidia-container-toolkit)
 #
 # Usage: e2e/tools/build.sh [tool...]
-#   (tools: etcd kubernetes kwok helm krew containerd runc cni crictl pause cni-loopback; default: all)
+#   (tools: etcd kubernetes kwok helm krew containerd runc cni crictl pause cni-loopback nvidia-toolkit;
+#    default: all)
 # Prints nothing on stdout but the bin directory on its last line, so callers can capture it.
 set -euo pipefail
 
@@ -64,6 +66,12 @@ build_one() {
       dest="$bin_dir/cni"; cgo=0;;
     crictl)
       packages=(sigs.k8s.io/cri-tools/cmd/crictl); outputs=(crictl); cgo=0;;
+    nvidia-toolkit)
+      # cgo: the toolkit dlopens NVIDIA's libraries when there is a driver (never here: CDI mode).
+      ldflags="-X github.com/NVIDIA/nvidia-container-toolkit/internal/info.version=$(pinned nvidia-toolkit github.com/NVIDIA/nvidia-container-toolkit | sed 's/^v//')"
+      packages=(github.com/NVIDIA/nvidia-container-toolkit/cmd/nvidia-container-runtime
+                github.com/NVIDIA/nvidia-container-toolkit/cmd/nvidia-ctk)
+      outputs=(nvidia-container-runtime nvidia-ctk); cgo=1;;
     pause)
       packages=(vramshare.io/e2e/tools/pause); outputs=(pause); cgo=0;;  # static: the image has no libc
     cni-loopback)
@@ -116,6 +124,6 @@ build_one() {
 
 mkdir -p "$bin_dir"
 tools=("$@")
-[[ ${#tools[@]} -gt 0 ]] || tools=(etcd kubernetes kwok helm krew containerd runc cni crictl pause cni-loopback)
+[[ ${#tools[@]} -gt 0 ]] || tools=(etcd kubernetes kwok helm krew containerd runc cni crictl pause cni-loopback nvidia-toolkit)
 for t in "${tools[@]}"; do build_one "$t"; done
 echo "$bin_dir"

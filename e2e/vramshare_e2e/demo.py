@@ -4,7 +4,7 @@ It starts the local control plane (building it the first time), the webhook and 
 tasks with mixed `gpu-mem-mb` sizes are admitted and placed; one too large for any GPU is refused with
 the message an Airflow user reads; tasks finish and release their memory; the refused task, retried
 as Airflow would after its retry_delay, is admitted; a pod without a GPU request gets
-`NVIDIA_VISIBLE_DEVICES=none`. Tables of GPUs and reservations are shown as it goes.
+`NVIDIA_VISIBLE_DEVICES=void`. Tables of GPUs and reservations are shown as it goes.
 
     python -m vramshare_e2e.demo [--fast]      KEEP=1 leaves everything running afterwards
 

@@ -241,6 +241,15 @@ state = "{self.root / "containerd" / "state"}"
       [plugins."io.containerd.cri.v1.runtime".containerd.runtimes.runc.options]
         BinaryName = "{bin_dir / "runc"}"
         SystemdCgroup = false
+    # NVIDIA's runtime as the handler of the RuntimeClass "nvidia", the default staying runc: the GPU
+    # Operator 25.10 layout. It runs in CDI mode (no driver needed), its config in the node's folder.
+    [plugins."io.containerd.cri.v1.runtime".containerd.runtimes.nvidia]
+      runtime_type = "io.containerd.runc.v2"
+      # Pod annotations that reach the runtime's OCI spec (NVIDIA's runtime reads CDI requests there).
+      pod_annotations = ["cdi.k8s.io/*"]
+      [plugins."io.containerd.cri.v1.runtime".containerd.runtimes.nvidia.options]
+        BinaryName = "{bin_dir / "nvidia-container-runtime"}"
+        SystemdCgroup = false
   [plugins."io.containerd.cri.v1.runtime".cni]
     bin_dirs = ["{bin_dir / "cni"}"]
     conf_dir = "{cni / "net.d"}"
@@ -251,6 +260,45 @@ state = "{self.root / "containerd" / "state"}"
 """
         path = self.root / "containerd.toml"
         path.write_text(config)
+        return path
+
+    def _nvidia_runtime_config(self) -> Path:
+        """NVIDIA's runtime in CDI mode, reading the node's CDI specs and handing over to our runc."""
+        log = self.cluster.logs_dir / f"nvidia-container-runtime-{self.name}.log"
+        config = f"""accept-nvidia-visible-devices-envvar-when-unprivileged = true
+accept-nvidia-visible-devices-as-volume-mounts = false
+
+[nvidia-container-runtime]
+debug = "{log}"
+log-level = "info"
+mode = "cdi"
+runtimes = ["{tools_bin_dir() / "runc"}"]
+
+[nvidia-container-runtime.modes.cdi]
+default-kind = "nvidia.com/gpu"
+annotation-prefixes = ["cdi.k8s.io/"]
+spec-dirs = ["{self.root / "cdi"}"]
+"""
+        path = self.root / "nvidia-container-runtime.toml"
+        path.write_text(config)
+        return path
+
+    def _cdi_spec(self) -> Path:
+        """The node's fake GPUs as nvidia-ctk names them: by index, by UUID, and `all`. A device's edits
+        give the container `VRAMSHARE_FAKE_GPU_<index>=<UUID>`: what it really got, for its log to tell
+        (there is no GPU, so no device node)."""
+        fleet_node = next((n for n in self.cluster.settings.fleet.nodes if n.name == self.name), None)
+        gpus = fleet_node.gpus if fleet_node else []
+        edits = {g.uuid: {"env": [f"VRAMSHARE_FAKE_GPU_{g.index}={g.uuid}"]} for g in gpus}
+        devices = [{"name": str(g.index), "containerEdits": edits[g.uuid]} for g in gpus]
+        devices += [{"name": g.uuid, "containerEdits": edits[g.uuid]} for g in gpus]
+        devices.append(
+            {"name": "all", "containerEdits": {"env": [e for g in gpus for e in edits[g.uuid]["env"]]}}
+        )
+        spec = {"cdiVersion": "0.6.0", "kind": "nvidia.com/gpu", "devices": devices}
+        path = self.root / "cdi" / "nvidia.com-gpu.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(spec, indent=2))
         return path
 
     def _kubelet_config(self) -> Path:
@@ -306,7 +354,13 @@ state = "{self.root / "containerd" / "state"}"
         for cgroup in self._cgroups():
             cgroup.mkdir(exist_ok=True)
         bin_dir = tools_bin_dir()
-        env = {**os.environ, "PATH": f"{bin_dir}:{os.environ.get('PATH', '')}"}
+        self._cdi_spec()
+        env = {
+            **os.environ,
+            "PATH": f"{bin_dir}:{os.environ.get('PATH', '')}",
+            # Read by NVIDIA's runtime, which the shim starts with containerd's environment.
+            "NVIDIA_CTK_CONFIG_FILE_PATH": str(self._nvidia_runtime_config()),
+        }
         containerd = Component(
             name=f"containerd-{self.name}",
             argv=[node_bin("containerd"), f"--config={self._containerd_config()}", "--log-level=warn"],

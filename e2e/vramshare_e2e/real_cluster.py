@@ -29,24 +29,35 @@ REAL_NODE_LABEL = "vramshare-e2e/real-node"
 
 
 def real_node_fleet(names: tuple[str, ...]) -> Fleet:
-    """The default kwok fleet plus one fake H100 80 GB on each real node."""
+    """The default kwok fleet plus fake H100 80 GB on the real nodes: one on the first, two on each
+    other (for pods with a GPU set)."""
     real = [
         FakeNode(
             name=name,
             real=True,
             gpus=[
                 FakeGpu(
-                    uuid=stable_gpu_uuid(name, 0),
-                    index=0,
+                    uuid=stable_gpu_uuid(name, index),
+                    index=index,
                     model="NVIDIA H100 80GB HBM3",
                     total_mib=81_559,
                     driver_reserved_mib=512,
                 )
+                for index in range(1 if n == 0 else 2)
             ],
         )
-        for name in names
+        for n, name in enumerate(names)
     ]
     return Fleet(nodes=[*default_fleet().nodes, *real])
+
+
+RUNTIME_CLASS = {
+    "apiVersion": "node.k8s.io/v1",
+    "kind": "RuntimeClass",
+    "metadata": {"name": "nvidia"},
+    "handler": "nvidia",
+}
+"""As the GPU Operator creates it: its handler is NVIDIA's runtime on every real node."""
 
 
 def operator_values(cluster: LocalCluster, image: ProductImage) -> list[str]:
@@ -122,6 +133,7 @@ def real_cluster(*, nodes: int = 2, managed: tuple[str, ...] = ()) -> Iterator[R
             real.node_ready_s.append(node.start(images=[image.archive]))
             node.tag_image(image.reference, image.reference + UPGRADE_TAG_SUFFIX)
         say(f"real nodes {', '.join(names)} Ready in {', '.join(f'{s:.1f} s' for s in real.node_ready_s)}")
+        local.apply_objects([RUNTIME_CLASS])
         for ns in managed:
             local.kubectl("create", "namespace", ns)
             local.kubectl("label", "namespace", ns, "vramshare.io/managed=true")

@@ -195,7 +195,7 @@ def test_vramshare_runs_as_the_chart_identities(stack: LocalCluster) -> None:
         "spec": {"containers": [{"name": "base", "image": "example.invalid/x"}]},
     }
     hidden = json.loads(stack.kubectl("create", "-f", "-", "-o", "json", stdin=json.dumps(plain)))
-    assert hidden["spec"]["containers"][0]["env"] == [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "none"}]
+    assert hidden["spec"]["containers"][0]["env"] == [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"}]
     # Queue mode: the controller places a gated pod, past the chart's tamper protection.
     for _, gpu in stack.settings.fleet.all_gpus():
         stack.exporter.set_used(gpu.uuid, gpu.total_mib - gpu.driver_reserved_mib - 100)
@@ -252,6 +252,7 @@ def test_pinning_annotations_cannot_be_changed_after_admission(stack: LocalClust
         )
         assert "cannot be added, changed or removed afterwards" in refused, refused
     for patch in (
+        {"metadata": {"annotations": {"cdi.k8s.io/later": "nvidia.com/gpu=all"}}},
         {"metadata": {"annotations": {"vramshare.io/gpu-uuid": "GPU-other"}}},
         {"metadata": {"annotations": {"vramshare.io/reservation": None}}},
         {"metadata": {"labels": {"vramshare.io/reservation": "stolen"}}},
@@ -259,7 +260,10 @@ def test_pinning_annotations_cannot_be_changed_after_admission(stack: LocalClust
         refused = stack.kubectl(
             "patch", "pod", "task", "-n", "jobs", "--type=merge", "-p", json.dumps(patch), check=False
         )
-        assert "cannot be added, changed or removed afterwards" in refused, refused
+        assert (
+            "cannot be added, changed or removed afterwards" in refused
+            or "cannot be added to or changed on a pod after its admission" in refused
+        ), refused
     allowed = stack.kubectl(
         "patch",
         "pod",
@@ -291,7 +295,7 @@ def test_no_way_around_pinning_and_hiding(stack: LocalCluster) -> None:
     gpu_pod = create({"metadata": {"name": "debugged", "annotations": {"gpu-mem-mb": "1000"}}})
     uuid = gpu_pod["metadata"]["annotations"]["vramshare.io/gpu-uuid"]
     create({"metadata": {"name": "plain-debugged"}})
-    for name, visible in (("debugged", uuid), ("plain-debugged", "none")):
+    for name, visible in (("debugged", uuid), ("plain-debugged", "void")):
         stack.kubectl(
             "debug", f"pod/{name}", "-n", "jobs", "--image=example.invalid/busybox", "--container=dbg"
         )
@@ -313,7 +317,7 @@ def test_no_way_around_pinning_and_hiding(stack: LocalCluster) -> None:
             },
         }
     )
-    assert {"name": "NVIDIA_VISIBLE_DEVICES", "value": "none"} in zero["spec"]["containers"][0]["env"]
+    assert {"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"} in zero["spec"]["containers"][0]["env"]
     forged = {
         "metadata": {"name": "forged", "labels": {"vramshare.io/reservation": "debugged-x", "team": "a"}}
     }

@@ -43,7 +43,7 @@ def test_demo_scenario() -> None:
     a100s = {outcome.admitted["train-resnet"]["gpu"], outcome.admitted["train-bert"]["gpu"]}
     assert outcome.queued["gpu"] in a100s
 
-    assert outcome.hidden_pod_env == "none"
+    assert outcome.hidden_pod_env == "void"
     assert outcome.final is not None
     phases = {r.pod: r.phase for r in outcome.final.reservations}
     for name in ("train-resnet", "embed-docs", "infer-batch-1", "infer-batch-2", "infer-batch-3"):

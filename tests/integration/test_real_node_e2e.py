@@ -1,5 +1,5 @@
 """vramshare as an operator installs it, on real nodes: two kubelets with containerd 2 and runc on this
-machine beside the kwok nodes, each with a fake H100 in the fake exporter's fleet (under the node's
+machine beside the kwok nodes, with fake H100s in the fake exporter's fleet (under the node's
 name). `helm install` from charts/vramshare with the image `make image` builds (imported into the
 nodes' containerd: no registry), and only the values an operator sets: the image, Prometheus's URL,
 hostNetwork (pods here have no route to anything off their node but loopback), the API server's
@@ -46,8 +46,14 @@ from vramshare_e2e.real_cluster import (
 pytestmark = pytest.mark.cluster
 
 REAL = (node_address(2), node_address(3))
-H100 = {name: stable_gpu_uuid(name, 0) for name in REAL}
+GPUS = {name: [stable_gpu_uuid(name, i) for i in range(1 if n == 0 else 2)] for n, name in enumerate(REAL)}
+H100 = {uuid: name for name, uuids in GPUS.items() for uuid in uuids}
+"""Each real node's fake H100s by UUID: one on the first node, two on the second."""
 NS, JOBS, LOAD = NAMESPACE, "jobs", "load"
+RC = "jobs-runtime-class"
+"""Managed, delivery mode runtime-class by its label (JOBS has the chart's default, env)."""
+OPEN = "open"
+"""Not managed: vramshare hides nothing there."""
 WEBHOOK, CONTROLLER = f"{RELEASE}-vramshare-webhook", f"{RELEASE}-vramshare-controller"
 HERE = Path(__file__).resolve().parent
 
@@ -85,7 +91,9 @@ class Stack:
 
 @pytest.fixture(scope="module")
 def stack() -> Iterator[Stack]:
-    with real_cluster(nodes=2, managed=(JOBS, LOAD)) as real:
+    with real_cluster(nodes=2, managed=(JOBS, LOAD, RC)) as real:
+        real.cluster.kubectl("label", "namespace", RC, "vramshare.io/delivery=runtime-class")
+        real.cluster.kubectl("create", "namespace", OPEN)
         assert tuple(n.name for n in real.nodes) == REAL
         core = client.CoreV1Api(config.new_client_from_config(config_file=str(real.cluster.kubeconfig)))
         print(
@@ -96,19 +104,32 @@ def stack() -> Iterator[Stack]:
 
 
 def task_pod(
-    name: str, *, mib: int | None, script: str, node: str | None = None, model: str | None = None
+    name: str,
+    *,
+    mib: int | None,
+    script: str,
+    node: str | None = None,
+    model: str | None = None,
+    annotations: dict[str, str] | None = None,
+    runtime_class: str | None = None,
+    env: dict[str, str] | None = None,
 ) -> client.V1Pod:
-    annotations = {"gpu-mem-mb": str(mib)} if mib else {}
+    annotations = {**({"gpu-mem-mb": str(mib)} if mib else {}), **(annotations or {})}
     if model:
         annotations["gpu-model"] = model
     return client.V1Pod(
         metadata=client.V1ObjectMeta(name=name, annotations=annotations or None),
         spec=client.V1PodSpec(
             restart_policy="Never",
+            runtime_class_name=runtime_class,
             node_selector={"kubernetes.io/hostname": node} if node else None,
             containers=[
                 client.V1Container(
-                    name="task", image=TASK_IMAGE, image_pull_policy="Never", command=["sh", "-c", script]
+                    name="task",
+                    image=TASK_IMAGE,
+                    image_pull_policy="Never",
+                    command=["sh", "-c", script],
+                    env=[client.V1EnvVar(name=k, value=v) for k, v in (env or {}).items()] or None,
                 )
             ],
         ),
@@ -128,14 +149,26 @@ def load_pod(name: str) -> client.V1Pod:
     )
 
 
-def finished(core: client.CoreV1Api, name: str) -> client.V1Pod | None:
-    pod = core.read_namespaced_pod(name, JOBS)
+def finished(core: client.CoreV1Api, name: str, namespace: str = JOBS) -> client.V1Pod | None:
+    pod = core.read_namespaced_pod(name, namespace)
     return pod if pod.status.phase in ("Succeeded", "Failed") else None
 
 
-def logged_env(core: client.CoreV1Api, name: str) -> dict[str, str]:
-    text = core.read_namespaced_pod_log(name, JOBS)
+def logged_env(core: client.CoreV1Api, name: str, namespace: str = JOBS) -> dict[str, str]:
+    text = core.read_namespaced_pod_log(name, namespace)
     return dict(line.split("=", 1) for line in text.splitlines() if "=" in line)
+
+
+def fake_gpus_seen(stack: Stack, name: str, namespace: str) -> dict[str, str]:
+    """Run to its end, the pod's container reports the fake GPUs the CDI spec's edits gave it."""
+    pod = eventually(lambda: finished(stack.core, name, namespace), what=f"{name} to run", timeout_s=120)
+    if pod.status.phase != "Succeeded":
+        runtime_log = stack.cluster.logs_dir / f"nvidia-container-runtime-{pod.spec.node_name}.log"
+        tail = runtime_log.read_text()[-3000:] if runtime_log.exists() else ""
+        raise AssertionError(f"{name}: {pod.status.phase} {pod.status.container_statuses}\n{tail}")
+    return {
+        k: v for k, v in logged_env(stack.core, name, namespace).items() if k.startswith("VRAMSHARE_FAKE_GPU")
+    }
 
 
 def reservations(cluster: LocalCluster, namespace: str) -> list[dict[str, Any]]:
@@ -271,13 +304,13 @@ def test_the_chart_runs_as_pods_webhook_behind_its_service_controller_leading_gp
                     if d.get("status", {}).get("state") == "Ready"
                 }
             )
-            and set(H100.values()) <= set(found)
+            and set(H100) <= set(found)
             and found
         ),
         what="the real nodes' GPUs Ready",
         timeout_s=60,
     )
-    assert {devices[u]["spec"]["nodeName"] for u in H100.values()} == set(REAL)
+    assert {u: devices[u]["spec"]["nodeName"] for u in H100} == H100
     print(f"\nhelm install --wait: {stack.real.install_s:.1f} s; leader {leader}")
 
 
@@ -300,7 +333,7 @@ def test_a_gpu_pod_runs_on_a_real_node_with_the_gpu_it_was_given(stack: Stack) -
     started = time.monotonic()
     created = core.create_namespaced_pod(JOBS, task_pod("train", mib=50_000, script=script))
     uuid = created.metadata.annotations[ANNOTATION_GPU_UUID]
-    assert uuid in H100.values()  # only the H100s have 50 000 MiB
+    assert uuid in H100  # only the H100s have 50 000 MiB
     booking = created.metadata.annotations[ANNOTATION_RESERVATION]
     eventually(lambda: reservation_phase(cluster, booking) == "Bound", what="the booking Bound", timeout_s=60)
     pod = eventually(lambda: finished(core, "train"), what="the container to run and exit", timeout_s=120)
@@ -309,7 +342,7 @@ def test_a_gpu_pod_runs_on_a_real_node_with_the_gpu_it_was_given(stack: Stack) -
         f"{time.monotonic() - started:.1f} s"
     )
     assert pod.status.phase == "Succeeded"
-    assert H100[pod.spec.node_name] == uuid
+    assert H100[uuid] == pod.spec.node_name
     env = logged_env(core, "train")
     assert env["NVIDIA_VISIBLE_DEVICES"] == uuid
     assert env["CUDA_VISIBLE_DEVICES"] == "0"
@@ -327,7 +360,59 @@ def test_a_pod_without_a_request_runs_seeing_no_gpu_though_its_image_says_all(st
     stack.core.create_namespaced_pod(JOBS, task_pod("cpu-only", mib=None, script=script, node=REAL[0]))
     pod = eventually(lambda: finished(stack.core, "cpu-only"), what="the CPU pod to run", timeout_s=120)
     assert pod.status.phase == "Succeeded"
-    assert logged_env(stack.core, "cpu-only") == {"NVIDIA_VISIBLE_DEVICES": "none"}
+    assert logged_env(stack.core, "cpu-only") == {"NVIDIA_VISIBLE_DEVICES": "void"}
+
+
+SHOW_FAKE_GPUS = "env | grep -E '^(VRAMSHARE_FAKE_GPU|NVIDIA_VISIBLE)' | sort; true"
+
+
+def test_with_runc_as_the_default_runtime_env_mode_delivers_no_gpu_and_runtime_class_mode_exactly_it(
+    stack: Stack,
+) -> None:
+    """The GPU Operator 25.10 layout: NVIDIA's runtime (CDI mode) handles only the RuntimeClass nvidia."""
+    env_mode = stack.core.create_namespaced_pod(JOBS, task_pod("env-mode", mib=20_000, script=SHOW_FAKE_GPUS))
+    booked = env_mode.metadata.annotations[ANNOTATION_GPU_UUID]
+    assert env_mode.spec.runtime_class_name is None
+    # The failure the modes exist for, for real: booked and told its GPU, the container has none.
+    assert fake_gpus_seen(stack, "env-mode", JOBS) == {}
+    assert logged_env(stack.core, "env-mode")["NVIDIA_VISIBLE_DEVICES"] == booked
+    rc_mode = stack.core.create_namespaced_pod(RC, task_pod("rc-mode", mib=20_000, script=SHOW_FAKE_GPUS))
+    booked = rc_mode.metadata.annotations[ANNOTATION_GPU_UUID]
+    assert rc_mode.spec.runtime_class_name == "nvidia"
+    seen = fake_gpus_seen(stack, "rc-mode", RC)
+    assert list(seen.values()) == [booked], seen  # exactly the booked GPU, by its UUID's CDI device
+    pair = stack.core.create_namespaced_pod(
+        RC, task_pod("rc-pair", mib=20_000, script=SHOW_FAKE_GPUS, annotations={"gpu-count": "2"})
+    )
+    booked_pair = pair.metadata.annotations[ANNOTATION_GPU_UUID].split(",")
+    assert sorted(booked_pair) == sorted(GPUS[REAL[1]])  # the only node with two
+    assert sorted(fake_gpus_seen(stack, "rc-pair", RC).values()) == sorted(booked_pair)
+
+
+def test_a_pod_without_a_request_gets_no_gpu_whatever_runtime_class_variable_or_cdi_request_it_carries(
+    stack: Stack,
+) -> None:
+    every = {"cdi.k8s.io/mine": "nvidia.com/gpu=all"}
+    # Where vramshare does not manage the namespace, the hole is real: NVIDIA's runtime hands out all.
+    stack.core.create_namespaced_pod(
+        OPEN,
+        task_pod(
+            "grab", mib=None, script=SHOW_FAKE_GPUS, node=REAL[1], annotations=every, runtime_class="nvidia"
+        ),
+    )
+    assert sorted(fake_gpus_seen(stack, "grab", OPEN).values()) == sorted(GPUS[REAL[1]])
+    # In a managed namespace: the variable says none and the CDI request is gone.
+    for name, extra in (
+        ("hidden-env", {"env": {"NVIDIA_VISIBLE_DEVICES": "all"}}),
+        ("hidden-cdi", {"annotations": every}),
+    ):
+        made = stack.core.create_namespaced_pod(
+            RC,
+            task_pod(name, mib=None, script=SHOW_FAKE_GPUS, node=REAL[1], runtime_class="nvidia", **extra),  # type: ignore[arg-type]
+        )
+        assert "cdi.k8s.io/mine" not in (made.metadata.annotations or {})
+        assert fake_gpus_seen(stack, name, RC) == {}, name
+        assert logged_env(stack.core, name, RC)["NVIDIA_VISIBLE_DEVICES"] == "void"
 
 
 def test_a_kubernetes_pod_operator_task_runs_on_a_real_node_and_streams_what_it_got(
@@ -350,7 +435,7 @@ def test_a_kubernetes_pod_operator_task_runs_on_a_real_node_and_streams_what_it_
     assert pod.status.phase == "Succeeded", run.stdout[-3000:]
     assert pod.spec.node_name in REAL
     uuid = pod.metadata.annotations[ANNOTATION_GPU_UUID]
-    assert uuid == H100[pod.spec.node_name]
+    assert H100[uuid] == pod.spec.node_name
     env = logged_env(stack.core, pod.metadata.name)
     assert env["NVIDIA_VISIBLE_DEVICES"] == uuid
     assert env["VRAMSHARE_GPU_MEMORY_MIB"] == "30000"

@@ -125,7 +125,7 @@ def test_pod_without_annotation_sees_no_gpu(core: client.CoreV1Api, gpu_namespac
         gpu_namespace,
         gpu_pod("cpu-only", None, env=[client.V1EnvVar(name="NVIDIA_VISIBLE_DEVICES", value="all")]),
     )
-    assert env_of(created) == {"NVIDIA_VISIBLE_DEVICES": ["none"]}
+    assert env_of(created) == {"NVIDIA_VISIBLE_DEVICES": ["void"]}
 
 
 def test_spoofed_variables_and_annotations_are_overwritten(

@@ -64,6 +64,12 @@ from vramshare_webhook.decision import (
     Skip,
     answer,
 )
+from vramshare_webhook.delivery import (
+    DELIVERY_NAMESPACE_LABEL,
+    Delivery,
+    delivery_for,
+    foreign_gpu_requests,
+)
 from vramshare_webhook.metrics import WebhookMetrics
 from vramshare_webhook.pod import (
     Placement,
@@ -282,7 +288,7 @@ class Admitter:
         if facts.memory_request is None:
             # Only pods vramshare admits carry vramshare.io/* keys: others lose them, with a warning.
             marks = claimed_marks(pod)
-            warnings = (
+            warnings: tuple[str, ...] = (
                 (
                     f"vramshare removed {', '.join(marks)}: only vramshare sets vramshare.io/* labels and "
                     f'annotations, on pods it admits (those with annotation "{self.settings.annotation}")',
@@ -291,9 +297,43 @@ class Admitter:
                 else ()
             )
             if self.settings.hide_gpus and not facts.device_resources:
+                requests = foreign_gpu_requests(pod.get("metadata", {}).get("annotations") or {})
+                if requests:
+                    warnings += (
+                        f"vramshare removed {', '.join(f'annotation {r}' for r in requests)}: GPUs in this "
+                        f'namespace are booked with the annotation "{self.settings.annotation}"',
+                    )
                 return Hide(patch=hide_gpus_patch(pod), warnings=warnings)
             if marks:
                 return Hide(patch=strip_patch(pod), warnings=warnings)
+            return Skip(reason=Reason.NO_GPU_REQUEST)
+        delivery = self._delivery(request.namespace, pod)
+        if isinstance(delivery, Invalid):
+            return delivery
+        decision = await self._gpu_decision(request, facts)
+        if isinstance(decision, Admit | Queue):
+            return replace(decision, patch=[*decision.patch, *delivery.patch(pod)])
+        return decision
+
+    def _delivery(self, namespace: str, pod: dict[str, Any]) -> Delivery | Invalid:
+        """How this namespace's GPU pods get their GPU (see vramshare_webhook.delivery), or why this
+        pod cannot get it so."""
+        delivery = delivery_for(
+            default=self.settings.delivery_mode,
+            runtime_class=self.settings.runtime_class_name,
+            namespace_label=self.namespace_labels(namespace).get(DELIVERY_NAMESPACE_LABEL),
+        )
+        if isinstance(delivery, str):
+            return Invalid(reason=Reason.INVALID_DELIVERY, message=delivery)
+        conflict = delivery.conflict(pod)
+        if conflict is not None:
+            return Invalid(reason=Reason.RUNTIME_CLASS_CONFLICT, message=conflict)
+        return delivery
+
+    async def _gpu_decision(self, request: rv.Request, facts: PodFacts) -> Decision:
+        """A GPU pod's decision: its request read, then admitted on a GPU, queued or refused."""
+        pod = request.object
+        if facts.memory_request is None:  # decide() sends only pods with a request
             return Skip(reason=Reason.NO_GPU_REQUEST)
         if facts.device_resources:
             return Invalid(

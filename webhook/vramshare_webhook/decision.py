@@ -52,6 +52,8 @@ class Reason(StrEnum):
     NAME_TAKEN = "name-taken"
     EPHEMERAL_CONTAINERS = "ephemeral-containers"
     PENDING_LIMIT = "pending-limit"
+    INVALID_DELIVERY = "invalid-delivery"
+    RUNTIME_CLASS_CONFLICT = "runtime-class-conflict"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,7 +65,7 @@ class Skip:
 
 @dataclass(frozen=True, kw_only=True)
 class Hide:
-    """A pod without a GPU request, given NVIDIA_VISIBLE_DEVICES=none (and stripped of vramshare.io/*
+    """A pod without a GPU request, given NVIDIA_VISIBLE_DEVICES=void (and stripped of vramshare.io/*
     labels and annotations it set itself); or, for `Reason.EPHEMERAL_CONTAINERS`, the debug containers
     added to a running pod, pinned to its GPUs or hidden like the pod."""
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,11 +38,18 @@ from vramshare.kube.resources import (
     LABEL_RESERVATION,
     is_object_name,
 )
+from vramshare_webhook.delivery import foreign_gpu_requests
 
 Obj = dict[str, Any]
 Operation = dict[str, Any]
 
 VISIBLE_DEVICES = "NVIDIA_VISIBLE_DEVICES"
+HIDDEN = "void"
+"""What a pod without a request is told: no GPU and nothing else injected. Not "none": NVIDIA's
+runtime in CDI mode (GPU Operator 25.10+'s runtime class, or its default runtime where CDI is the
+default) turns "none" into the CDI device nvidia.com/gpu=none, which the specs nvidia-ctk writes do not
+name, and the container fails to start ("unresolvable CDI devices"); "void" it reads as no request at
+all (internal/config/image/cuda_image.go), as the legacy hook does."""
 _GPU_UUID = re.compile(r"^(GPU|MIG)-[A-Za-z0-9-]{1,124}$", re.ASCII)
 """A GPU UUID as NVIDIA writes it (GPU-<uuid>), as found in a pod's vramshare.io/gpu-uuid."""
 CUDA_DEVICES = "CUDA_VISIBLE_DEVICES"
@@ -207,6 +214,7 @@ class Placement:
 def spoofed(pod: Obj) -> list[str]:
     """What the user set that only vramshare may set (logged, then overwritten)."""
     found = [f"annotation {k}" for k in pod_annotations(pod) if k.startswith(ANNOTATION_PREFIX)]
+    found += [f"annotation {k}" for k in foreign_gpu_requests(pod_annotations(pod))]
     for key, i, c in _containers(pod):
         for e in c.get("env") or []:
             if isinstance(e, dict) and e.get("name") in (VISIBLE_DEVICES, CUDA_DEVICES):
@@ -256,7 +264,13 @@ def placement_patch(
 def _marking(pod: Obj, *, annotations: dict[str, str], reservation: str) -> list[Operation]:
     """vramshare's annotations (replacing every vramshare.io/* one the pod has) and the reservation
     label, by which the controller lists GPU pods."""
-    kept = {k: v for k, v in pod_annotations(pod).items() if not k.startswith(ANNOTATION_PREFIX)}
+    # A CDI request for NVIDIA GPUs would add devices beyond the booked ones: only vramshare's stay.
+    foreign = set(foreign_gpu_requests(pod_annotations(pod)))
+    kept = {
+        k: v
+        for k, v in pod_annotations(pod).items()
+        if not k.startswith(ANNOTATION_PREFIX) and k not in foreign
+    }
     labels = pod.get("metadata", {}).get("labels")
     labels = {
         k: v
@@ -322,16 +336,18 @@ def queued_entry_of(pod: Obj) -> str | None:
 
 
 def hide_gpus_patch(pod: Obj) -> list[Operation]:
-    """For pods without a GPU request: `NVIDIA_VISIBLE_DEVICES=none`, so CUDA images (which default to
-    `all`) see no GPU at all; and no vramshare.io/* labels or annotations (`strip_patch`)."""
+    """For pods without a GPU request: `NVIDIA_VISIBLE_DEVICES=void` (`HIDDEN`), so CUDA images
+    (which default to `all`) see no GPU at all, whatever runtime class runs them; no CDI request for
+    NVIDIA GPUs in an annotation (NVIDIA's runtime in CDI mode honours those before the variable); and
+    no vramshare.io/* labels or annotations (`strip_patch`)."""
     return [
         {
             "op": "add",
             "path": pointer("spec", key, i, "env"),
-            "value": _with_env(c, {VISIBLE_DEVICES: "none"}),
+            "value": _with_env(c, {VISIBLE_DEVICES: HIDDEN}),
         }
         for key, i, c in _containers(pod)
-    ] + strip_patch(pod)
+    ] + strip_patch(pod, also=foreign_gpu_requests(pod_annotations(pod)))
 
 
 def claimed_marks(pod: Obj) -> list[str]:
@@ -345,15 +361,20 @@ def claimed_marks(pod: Obj) -> list[str]:
     ]
 
 
-def strip_patch(pod: Obj) -> list[Operation]:
-    """The pod's labels and annotations without any vramshare.io/* key (none when it has none): a pod
-    vramshare did not admit must not look like one to the controller."""
+def strip_patch(pod: Obj, *, also: Iterable[str] = ()) -> list[Operation]:
+    """The pod's labels and annotations without any vramshare.io/* key, nor the annotations in `also`
+    (none when it has none): a pod vramshare did not admit must not look like one to the controller."""
     meta = pod.get("metadata", {})
+    dropped = set(also)
     ops: list[Operation] = []
     for field in ("labels", "annotations"):
         values = meta.get(field)
-        if isinstance(values, dict) and any(str(k).startswith(ANNOTATION_PREFIX) for k in values):
-            kept = {k: v for k, v in values.items() if not str(k).startswith(ANNOTATION_PREFIX)}
+
+        def gone(key: object, field: str = field) -> bool:
+            return str(key).startswith(ANNOTATION_PREFIX) or (field == "annotations" and key in dropped)
+
+        if isinstance(values, dict) and any(gone(k) for k in values):
+            kept = {k: v for k, v in values.items() if not gone(k)}
             ops.append({"op": "add", "path": pointer("metadata", field), "value": kept})
     return ops
 
@@ -367,7 +388,7 @@ def ephemeral_patch(pod: Obj) -> list[Operation]:
     env = (
         {VISIBLE_DEVICES: uuids, CUDA_DEVICES: ",".join(str(i) for i in range(len(uuids.split(","))))}
         if placed
-        else {VISIBLE_DEVICES: "none"}
+        else {VISIBLE_DEVICES: HIDDEN}
     )
     return [
         {"op": "add", "path": pointer("spec", "ephemeralContainers", i, "env"), "value": _with_env(c, env)}

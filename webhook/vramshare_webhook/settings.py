@@ -22,7 +22,9 @@ from vramshare.domain import (
     FairnessSettings,
     Policy,
 )
+from vramshare.kube.resources import is_object_name
 from vramshare.settings import check_accounting, from_env, invalid
+from vramshare_webhook.delivery import DeliveryMode
 
 MAX_SERVING_VALIDITY_S = 397 * 86400
 
@@ -108,7 +110,14 @@ class WebhookSettings:
     unless the pod's annotation gpu-guardrails or its namespace label vramshare.io/guardrails says
     "false"."""
     hide_gpus: bool = True
-    """Give pods without the annotation NVIDIA_VISIBLE_DEVICES=none (only managed namespaces reach it)."""
+    """Give pods without the annotation NVIDIA_VISIBLE_DEVICES=void (only managed namespaces reach it)."""
+    delivery_mode: DeliveryMode = DeliveryMode.ENV
+    """How the booked GPU reaches the container (see vramshare_webhook.delivery): env (the variable
+    alone: NVIDIA's runtime is the nodes' default) or runtime-class (also the pod's runtimeClassName:
+    GPU Operator 25.10+, whose default runtime is runc). A namespace's label vramshare.io/delivery
+    chooses for its pods."""
+    runtime_class_name: str = "nvidia"
+    """The RuntimeClass whose handler is NVIDIA's runtime (delivery mode runtime-class)."""
     decision_deadline_s: float = 8.0
     """The whole answer's deadline: past it the webhook refuses and withdraws whatever it booked, so
     nothing stays booked for a request the API server gave up on. Keep it below timeoutSeconds."""
@@ -187,6 +196,8 @@ class WebhookSettings:
             raise invalid("hold_limit_s", self.hold_limit_s, "a positive number of seconds")
         if self.max_pending_per_namespace < 0:
             raise invalid("max_pending_per_namespace", self.max_pending_per_namespace, "0 (no limit) or more")
+        if not is_object_name(self.runtime_class_name):
+            raise invalid("runtime_class_name", self.runtime_class_name, "a RuntimeClass name")
         if not 1 <= self.max_gpus_per_pod <= 64:
             raise invalid("max_gpus_per_pod", self.max_gpus_per_pod, "1 to 64")
         if self.near_tie_mib < 0:

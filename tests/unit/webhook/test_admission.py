@@ -18,6 +18,7 @@ from vramshare.kube.objects import GpuReservation
 from vramshare.settings import SettingsError
 from vramshare_webhook import review as rv
 from vramshare_webhook.admission import Admitter
+from vramshare_webhook.delivery import DeliveryMode
 from vramshare_webhook.metrics import WebhookMetrics
 from vramshare_webhook.settings import WebhookSettings
 
@@ -312,7 +313,7 @@ async def test_device_plugin_pods_with_the_annotation_are_refused() -> None:
 
 async def test_unannotated_pods_are_hidden_or_left_alone() -> None:
     hidden = await admitter(MemoryLedger()).review(request(None))
-    assert patch_of(hidden)[0]["value"] == [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "none"}]
+    assert patch_of(hidden)[0]["value"] == [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"}]
     untouched = await admitter(MemoryLedger(), hide_gpus=False).review(request(None))
     assert "patch" not in untouched["response"]
 
@@ -653,7 +654,7 @@ def with_spec(req: rv.Request, **spec: Any) -> rv.Request:
 async def test_a_zero_device_plugin_request_does_not_escape_hiding() -> None:
     zero = [{"name": "base", "image": "x", "resources": {"limits": {"nvidia.com/gpu": "0"}}}]
     hidden = await admitter(MemoryLedger()).review(with_spec(request(None), containers=zero))
-    assert {"name": "NVIDIA_VISIBLE_DEVICES", "value": "none"} in env_list(hidden)
+    assert {"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"} in env_list(hidden)
     # With the annotation it is an ordinary vramshare pod, not a device-plugin one.
     ledger = MemoryLedger()
     admitted = await admitter(ledger).review(with_spec(request("4096"), containers=zero))
@@ -718,7 +719,7 @@ async def test_debug_containers_see_the_pods_gpus_or_none() -> None:
     ]
     for marks, labels in (({}, {}), ({"gpu-mem-mb": "4096"}, {})):  # not placed (yet): no GPU
         (op,) = patch_of(await admitter(MemoryLedger()).review(debug_request(marks, labels)))
-        assert {"name": "NVIDIA_VISIBLE_DEVICES", "value": "none"} in op["value"]
+        assert {"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"} in op["value"]
     other_update = replace(placed, sub_resource="")
     assert "patch" not in (await admitter(MemoryLedger()).review(other_update))["response"]
 
@@ -824,3 +825,88 @@ async def test_the_refusal_choice_reads_any_body_without_failing(metadata: Any) 
     review = await admitter(MemoryLedger()).review(req)
     assert review["response"]["uid"] == "u1"
     assert review["response"]["allowed"] in (True, False)
+
+
+def delivering(ledger: MemoryLedger, *, label: str | None = None, **settings: Any) -> Admitter:
+    return Admitter(
+        settings=WebhookSettings(accounting=Accounting(safety_margin_mib=0), **settings),
+        ledger=ledger,
+        metrics=WebhookMetrics(),
+        clock=lambda: NOW,
+        namespace_labels=lambda namespace: {"vramshare.io/delivery": label} if label else {},
+    )
+
+
+async def test_runtime_class_mode_sets_the_class_and_refuses_another() -> None:
+    ledger = MemoryLedger()
+    admitted = await delivering(ledger, delivery_mode=DeliveryMode.RUNTIME_CLASS).review(request())
+    ops = patch_of(admitted)
+    assert {"op": "add", "path": "/spec/runtimeClassName", "value": "nvidia"} in ops
+    assert env_of(admitted)["NVIDIA_VISIBLE_DEVICES"].startswith("GPU-")  # the variable in every mode
+    # Its own class named already: kept, nothing added.
+    same = await delivering(ledger, delivery_mode=DeliveryMode.RUNTIME_CLASS).review(
+        with_spec(request(uid="u2"), runtimeClassName="nvidia")
+    )
+    assert same["response"]["allowed"]
+    assert not [o for o in patch_of(same) if o["path"] == "/spec/runtimeClassName"]
+    other = await delivering(ledger, delivery_mode=DeliveryMode.RUNTIME_CLASS).review(
+        with_spec(request(uid="u3"), runtimeClassName="kata")
+    )
+    assert other["response"]["status"]["code"] == 400
+    assert other["response"]["status"]["message"] == (
+        'pod spec.runtimeClassName is "kata": vramshare delivers GPUs through the runtime class "nvidia" '
+        'here (delivery mode runtime-class); leave runtimeClassName unset or set it to "nvidia"'
+    )
+    assert len(ledger.objects) == 2  # the refused pod booked nothing
+    # env mode (the default) adds no class.
+    plain = await admitter(ledger).review(request(uid="u4"))
+    assert not [o for o in patch_of(plain) if o["path"] == "/spec/runtimeClassName"]
+
+
+async def test_the_namespace_label_chooses_the_mode_and_a_bad_one_is_named() -> None:
+    ledger = MemoryLedger()
+    chosen = await delivering(ledger, label="runtime-class").review(request())
+    assert {"op": "add", "path": "/spec/runtimeClassName", "value": "nvidia"} in patch_of(chosen)
+    back = await delivering(ledger, label="env", delivery_mode=DeliveryMode.RUNTIME_CLASS).review(
+        request(uid="u2")
+    )
+    assert not [o for o in patch_of(back) if o["path"] == "/spec/runtimeClassName"]
+    bad = await delivering(ledger, label="cdi-please").review(request(uid="u3"))
+    assert bad["response"]["status"]["code"] == 400
+    assert bad["response"]["status"]["message"] == (
+        'namespace label "vramshare.io/delivery" is "cdi-please": accepted values are env, runtime-class'
+    )
+
+
+async def test_cdi_requests_for_nvidia_gpus_are_removed_from_every_pod_and_others_kept() -> None:
+    cdi = {"cdi.k8s.io/all-gpus": "nvidia.com/gpu=all", "cdi.k8s.io/fpga": "vendor.com/fpga=0"}
+    hidden = await admitter(MemoryLedger()).review(request(None, annotations=cdi))
+    annotations = next(o["value"] for o in patch_of(hidden) if o["path"] == "/metadata/annotations")
+    assert annotations == {"cdi.k8s.io/fpga": "vendor.com/fpga=0"}
+    assert hidden["response"]["warnings"] == [
+        "vramshare removed annotation cdi.k8s.io/all-gpus: GPUs in this namespace are booked with the "
+        'annotation "gpu-mem-mb"'
+    ]
+    admitted = await admitter(MemoryLedger()).review(request(annotations=cdi))
+    annotations = next(o["value"] for o in patch_of(admitted) if o["path"] == "/metadata/annotations")
+    assert "cdi.k8s.io/all-gpus" not in annotations
+    assert annotations["cdi.k8s.io/fpga"] == "vendor.com/fpga=0"
+
+
+def test_the_runtime_class_setting_is_checked() -> None:
+    with pytest.raises(ValueError, match="VRAMSHARE_RUNTIME_CLASS_NAME"):
+        WebhookSettings.from_env(
+            {
+                "VRAMSHARE_RUNTIME_CLASS_NAME": "No Such/Class",
+                "VRAMSHARE_TLS_CERT_FILE": "c",
+                "VRAMSHARE_TLS_KEY_FILE": "k",
+            }
+        )
+    settings = WebhookSettings.from_env(
+        {
+            "VRAMSHARE_DELIVERY_MODE": "runtime-class",
+            "VRAMSHARE_TLS_CERT_FILE": "c",
+            "VRAMSHARE_TLS_KEY_FILE": "k",
+        }
+    )
+    assert settings.delivery_mode is DeliveryMode.RUNTIME_CLASS

@@ -156,7 +156,7 @@ def test_hide_gpus_sets_none_everywhere() -> None:
     p["spec"]["containers"][0]["env"] = [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}]
     out = apply(p, hide_gpus_patch(p))
     for c in (*out["spec"]["initContainers"], *out["spec"]["containers"]):
-        assert env(c) == [("NVIDIA_VISIBLE_DEVICES", "none")]
+        assert env(c) == [("NVIDIA_VISIBLE_DEVICES", "void")]
 
 
 def hostname_terms(*terms: list[str]) -> dict[str, Any]:
