@@ -202,13 +202,19 @@ def admitted_count(stack: Stack, pod: str) -> int:
 
 
 class Load:
-    """Pods created steadily in the load namespace from a thread, each outcome counted."""
+    """Pods created steadily in the load namespace from a thread, each outcome counted: `count` of
+    them, or with `until_stopped` at least `count` and on until the block ends (a load that outlasts
+    whatever the block does, however long that takes)."""
 
-    def __init__(self, stack: Stack, *, prefix: str, count: int, per_s: float = 10.0) -> None:
+    def __init__(
+        self, stack: Stack, *, prefix: str, count: int, per_s: float = 10.0, until_stopped: bool = False
+    ) -> None:
         self.stack, self.prefix, self.count, self.per_s = stack, prefix, count, per_s
+        self.until_stopped = until_stopped
         self.outcomes: Counter[str] = Counter()
         self.failures: list[str] = []
         self.created: list[str] = []
+        self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _create(self, i: int) -> None:
@@ -226,15 +232,19 @@ class Load:
 
     def _run(self) -> None:
         with ThreadPoolExecutor(max_workers=6) as pool:
-            for i in range(self.count):
+            i = 0
+            while i < self.count or (self.until_stopped and not self._stop.is_set()):
                 pool.submit(self._create, i)
+                i += 1
                 time.sleep(1 / self.per_s)
+            self.count = i
 
     def __enter__(self) -> Load:
         self._thread.start()
         return self
 
     def __exit__(self, *_: object) -> None:
+        self._stop.set()
         self._thread.join()
 
     @property
@@ -439,6 +449,14 @@ def test_a_kubernetes_pod_operator_task_runs_on_a_real_node_and_streams_what_it_
     env = logged_env(stack.core, pod.metadata.name)
     assert env["NVIDIA_VISIBLE_DEVICES"] == uuid
     assert env["VRAMSHARE_GPU_MEMORY_MIB"] == "30000"
+    booking = pod.metadata.annotations[ANNOTATION_RESERVATION]
+    eventually(
+        lambda: reservation_phase(stack.cluster, booking) in ("Released", "gone"),
+        what="the task's booking released when its container exited",
+        timeout_s=60,
+    )
+    (record,) = [r for r in reservations(stack.cluster, JOBS) if r["metadata"]["name"] == booking]
+    assert record["status"]["podUID"] == pod.metadata.uid  # it was bound to this pod
     # The operator streamed the container's output into the task's log, and the task succeeded.
     assert f"NVIDIA_VISIBLE_DEVICES={uuid}" in run.stdout
     listed = airflow.run("dags", "list-runs", "vramshare_real_node", "-o", "json").stdout
@@ -497,7 +515,7 @@ def test_helm_upgrade_to_a_new_image_tag_under_load_fails_no_creation_and_books_
 ) -> None:
     old = {p.metadata.name for p in stack.pods("webhook")}
     new_tag = stack.image.tag + UPGRADE_TAG_SUFFIX
-    with Load(stack, prefix="upgrade", count=240, per_s=8) as load:
+    with Load(stack, prefix="upgrade", count=200, per_s=8, until_stopped=True) as load:
         time.sleep(2)
         started = time.monotonic()
         stack.helm(
@@ -512,19 +530,25 @@ def test_helm_upgrade_to_a_new_image_tag_under_load_fails_no_creation_and_books_
             "--wait",
             "--timeout=300s",
         )
+        # --wait returns once the rollout's budget is met (one of two Ready): the load goes on until
+        # the second new pod is Ready too, so it spans the whole rollout.
+        new = eventually(
+            lambda: (
+                len(found := [p for p in stack.pods("webhook") if ready(p) and p.metadata.name not in old])
+                == 2
+                and found
+            ),
+            what="both new webhook pods Ready",
+            timeout_s=120,
+            detail=stack.pods_report,
+        )
         rolled = time.monotonic() - started
         still_loading = load.running
-    print(f"\nhelm upgrade --wait {rolled:.1f} s under {load.count} creations: {dict(load.outcomes)}")
+    print(f"\nrollout (helm upgrade) {rolled:.1f} s under {load.count} creations: {dict(load.outcomes)}")
     assert still_loading, "the load ended before the rollout did: it proves nothing about the rollout"
+    assert load.count >= 200
     assert load.outcomes == {"pinned": load.count}, load.failures[:5]
     assert_one_booking_per_pod(stack, load.created)
-    # --wait returns once the rollout's budget is met (one of two Ready): the second may still start.
-    new = eventually(
-        lambda: len(found := [p for p in stack.pods("webhook") if ready(p)]) == 2 and found,
-        what="both new webhook pods Ready",
-        timeout_s=120,
-        detail=stack.pods_report,
-    )
     assert not old & {p.metadata.name for p in new}
     assert all(p.spec.containers[0].image.endswith(new_tag) for p in new)
     # Afterwards the new pods answer everything.
