@@ -132,22 +132,29 @@ def tools_bin_dir() -> Path:
     return Path(result.stdout.strip().splitlines()[-1])
 
 
+def apt_install(*packages: str) -> None:
+    """Install Debian's `packages` (root only; otherwise say the command to run)."""
+    names = " ".join(packages)
+    if os.geteuid() != 0:
+        verb = "is" if len(packages) == 1 else "are"
+        raise ClusterError(
+            f"{names} {verb} not installed; run: sudo apt-get install --no-install-recommends {names}"
+        )
+    say(f"installing {names} from Debian's packages (once)")
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    for cmd in (
+        ["apt-get", "update", "-qq"],
+        ["apt-get", "install", "-y", "-qq", "--no-install-recommends", *packages],
+    ):
+        subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
+
+
 def prometheus_binary() -> Path:
     """Debian's Prometheus, installed with apt-get when missing (the machine reaches Debian's mirrors)."""
     found = shutil.which("prometheus")
     if found:
         return Path(found)
-    if os.geteuid() != 0:
-        raise ClusterError(
-            "prometheus is not installed; run: sudo apt-get install --no-install-recommends prometheus"
-        )
-    say("installing Prometheus from Debian's packages (once)")
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    for cmd in (
-        ["apt-get", "update", "-qq"],
-        ["apt-get", "install", "-y", "-qq", "--no-install-recommends", "prometheus"],
-    ):
-        subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
+    apt_install("prometheus")
     # The package's own service would listen on 0.0.0.0:9090; ours runs on loopback only.
     subprocess.run(["pkill", "-x", "prometheus"], check=False)
     found = shutil.which("prometheus")

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
-import os
 import shutil
 import subprocess
 import time
@@ -18,7 +17,7 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-from vramshare_e2e.cluster import ClusterError, say
+from vramshare_e2e.cluster import ClusterError, apt_install, say
 
 ROOT = Path(__file__).resolve().parents[2]
 BUILD_IMAGE = ROOT / "e2e" / "tools" / "build-image.sh"
@@ -58,17 +57,8 @@ def inputs_digest(root: Path = ROOT) -> str:
 
 def _ensure_build_tools() -> None:
     missing = [t for t in ("buildah", "debootstrap") if shutil.which(t) is None]
-    if not missing:
-        return
-    if os.geteuid() != 0:
-        raise ClusterError(f"{' and '.join(missing)} missing; run: sudo apt-get install buildah debootstrap")
-    say(f"installing {' and '.join(missing)} from Debian's packages (once)")
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    for cmd in (
-        ["apt-get", "update", "-qq"],
-        ["apt-get", "install", "-y", "-qq", "--no-install-recommends", "buildah", "debootstrap"],
-    ):
-        subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
+    if missing:
+        apt_install(*missing)
 
 
 def product_image(cache: Path) -> ProductImage:

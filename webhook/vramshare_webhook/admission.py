@@ -80,6 +80,7 @@ from vramshare_webhook.pod import (
     hide_gpus_patch,
     literal_env,
     placement_patch,
+    pod_annotations,
     queue_patch,
     read_pod,
     shape_problem,
@@ -297,7 +298,7 @@ class Admitter:
                 else ()
             )
             if self.settings.hide_gpus and not facts.device_resources:
-                requests = foreign_gpu_requests(pod.get("metadata", {}).get("annotations") or {})
+                requests = foreign_gpu_requests(pod_annotations(pod))
                 if requests:
                     warnings += (
                         f"vramshare removed {', '.join(f'annotation {r}' for r in requests)}: GPUs in this "

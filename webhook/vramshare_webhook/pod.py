@@ -213,8 +213,9 @@ class Placement:
 
 def spoofed(pod: Obj) -> list[str]:
     """What the user set that only vramshare may set (logged, then overwritten)."""
-    found = [f"annotation {k}" for k in pod_annotations(pod) if k.startswith(ANNOTATION_PREFIX)]
-    found += [f"annotation {k}" for k in foreign_gpu_requests(pod_annotations(pod))]
+    annotations = pod_annotations(pod)
+    found = [f"annotation {k}" for k in annotations if k.startswith(ANNOTATION_PREFIX)]
+    found += [f"annotation {k}" for k in foreign_gpu_requests(annotations)]
     for key, i, c in _containers(pod):
         for e in c.get("env") or []:
             if isinstance(e, dict) and e.get("name") in (VISIBLE_DEVICES, CUDA_DEVICES):
@@ -265,12 +266,9 @@ def _marking(pod: Obj, *, annotations: dict[str, str], reservation: str) -> list
     """vramshare's annotations (replacing every vramshare.io/* one the pod has) and the reservation
     label, by which the controller lists GPU pods."""
     # A CDI request for NVIDIA GPUs would add devices beyond the booked ones: only vramshare's stay.
-    foreign = set(foreign_gpu_requests(pod_annotations(pod)))
-    kept = {
-        k: v
-        for k, v in pod_annotations(pod).items()
-        if not k.startswith(ANNOTATION_PREFIX) and k not in foreign
-    }
+    current = pod_annotations(pod)
+    foreign = set(foreign_gpu_requests(current))
+    kept = {k: v for k, v in current.items() if not k.startswith(ANNOTATION_PREFIX) and k not in foreign}
     labels = pod.get("metadata", {}).get("labels")
     labels = {
         k: v
