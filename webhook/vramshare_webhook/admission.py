@@ -311,9 +311,13 @@ class Admitter:
         delivery = self._delivery(request.namespace, pod)
         if isinstance(delivery, Invalid):
             return delivery
-        decision = await self._gpu_decision(request, facts)
-        if isinstance(decision, Admit | Queue):
-            return replace(decision, patch=[*decision.patch, *delivery.patch(pod)])
+        decision = await self._gpu_decision(request, facts, can_queue=delivery.can_queue)
+        if isinstance(decision, Admit):
+            return replace(
+                decision, patch=[*decision.patch, *delivery.patch(pod, decision.placement.gpu_uuids)]
+            )
+        if isinstance(decision, Queue):  # only modes that can deliver when the gate lifts queue
+            return replace(decision, patch=[*decision.patch, *delivery.patch(pod, ())])
         return decision
 
     def _delivery(self, namespace: str, pod: dict[str, Any]) -> Delivery | Invalid:
@@ -323,6 +327,7 @@ class Admitter:
             default=self.settings.delivery_mode,
             runtime_class=self.settings.runtime_class_name,
             namespace_label=self.namespace_labels(namespace).get(DELIVERY_NAMESPACE_LABEL),
+            device_list_claim=self.settings.device_list_claim,
         )
         if isinstance(delivery, str):
             return Invalid(reason=Reason.INVALID_DELIVERY, message=delivery)
@@ -331,8 +336,9 @@ class Admitter:
             return Invalid(reason=Reason.RUNTIME_CLASS_CONFLICT, message=conflict)
         return delivery
 
-    async def _gpu_decision(self, request: rv.Request, facts: PodFacts) -> Decision:
-        """A GPU pod's decision: its request read, then admitted on a GPU, queued or refused."""
+    async def _gpu_decision(self, request: rv.Request, facts: PodFacts, *, can_queue: bool) -> Decision:
+        """A GPU pod's decision: its request read, then admitted on a GPU, queued (where its delivery
+        mode `can_queue`) or refused."""
         pod = request.object
         if facts.memory_request is None:  # decide() sends only pods with a request
             return Skip(reason=Reason.NO_GPU_REQUEST)
@@ -364,7 +370,9 @@ class Admitter:
             return queue
         # A pod with several GPUs does not wait in the queue (the planner places one GPU at a time):
         # it is refused while no node has room for the whole set, and its task retries.
-        queue = queue and count == 1
+        # Nor does one whose delivery mode fixes its devices at creation (cdi, volume-mounts): it is
+        # refused while nothing fits, and retried.
+        queue = queue and count == 1 and can_queue
         guard = self._guardrails(request.namespace, facts)
         if isinstance(guard, Invalid):
             return guard

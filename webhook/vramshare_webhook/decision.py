@@ -13,7 +13,8 @@ from enum import StrEnum
 from typing import Any
 
 from vramshare_webhook import review as rv
-from vramshare_webhook.pod import Operation, Placement
+from vramshare_webhook.patching import Operation
+from vramshare_webhook.pod import Placement
 from vramshare_webhook.settings import RefusalStyle, WebhookSettings
 
 

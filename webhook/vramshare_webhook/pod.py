@@ -15,7 +15,6 @@ import hashlib
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
 
 from vramshare.domain.request import COUNT_ANNOTATION
 from vramshare.domain.scheduling import NodeRules
@@ -38,10 +37,15 @@ from vramshare.kube.resources import (
     LABEL_RESERVATION,
     is_object_name,
 )
-from vramshare_webhook.delivery import foreign_gpu_requests
-
-Obj = dict[str, Any]
-Operation = dict[str, Any]
+from vramshare_webhook.delivery import (
+    DEVICE_LIST_VOLUME,
+    device_mounts,
+    foreign_device_mounts,
+    foreign_gpu_requests,
+    is_device_mount,
+)
+from vramshare_webhook.patching import CONTAINER_LISTS, Obj, Operation, pointer
+from vramshare_webhook.patching import containers as _containers
 
 VISIBLE_DEVICES = "NVIDIA_VISIBLE_DEVICES"
 HIDDEN = "void"
@@ -53,7 +57,6 @@ all (internal/config/image/cuda_image.go), as the legacy hook does."""
 _GPU_UUID = re.compile(r"^(GPU|MIG)-[A-Za-z0-9-]{1,124}$", re.ASCII)
 """A GPU UUID as NVIDIA writes it (GPU-<uuid>), as found in a pod's vramshare.io/gpu-uuid."""
 CUDA_DEVICES = "CUDA_VISIBLE_DEVICES"
-CONTAINER_LISTS = ("initContainers", "containers")
 
 
 def shape_problem(pod: Obj) -> str | None:
@@ -129,11 +132,6 @@ def shape_problem(pod: Obj) -> str | None:
     return None
 
 
-def pointer(*parts: str | int) -> str:
-    """A JSON Pointer (RFC 6901): '~' is written '~0' and '/' is written '~1'."""
-    return "".join("/" + str(p).replace("~", "~0").replace("/", "~1") for p in parts)
-
-
 def pod_annotations(pod: Obj) -> dict[str, str]:
     value = pod.get("metadata", {}).get("annotations")
     return value if isinstance(value, dict) else {}
@@ -143,16 +141,6 @@ def display_name(pod: Obj) -> str:
     """The pod's name, or its generateName prefix followed by '*' before the API server names it."""
     meta = pod.get("metadata", {})
     return str(meta.get("name") or (str(meta.get("generateName") or "pod") + "*"))
-
-
-def _containers(pod: Obj) -> list[tuple[str, int, Obj]]:
-    spec = pod.get("spec", {})
-    return [
-        (key, i, c)
-        for key in CONTAINER_LISTS
-        for i, c in enumerate(spec.get(key) or [])
-        if isinstance(c, dict)
-    ]
 
 
 def requested_device_resources(pod: Obj) -> list[str]:
@@ -220,6 +208,11 @@ def spoofed(pod: Obj) -> list[str]:
         for e in c.get("env") or []:
             if isinstance(e, dict) and e.get("name") in (VISIBLE_DEVICES, CUDA_DEVICES):
                 found.append(f"{key}[{i}].env {e.get('name')}")
+        found += [
+            f"{key}[{i}].volumeMounts {m.get('mountPath')}"
+            for m in c.get("volumeMounts") or []
+            if is_device_mount(m)
+        ]
     return found
 
 
@@ -259,6 +252,9 @@ def placement_patch(
         gpu_index=",".join(str(i) for i in placement.gpu_indexes),
         node=placement.node,
     )
+    # Device-list mounts the pod brought would add GPUs beyond the booked ones (the delivery mode
+    # volume-mounts adds its own after these).
+    ops += foreign_device_mounts(pod)
     return ops + _marking(pod, annotations=ours, reservation=placement.reservation)
 
 
@@ -320,6 +316,7 @@ def queue_patch(
     ops.append(
         {"op": "add", "path": pointer("spec", "schedulingGates"), "value": [*gates, {"name": QUEUE_GATE}]}
     )
+    ops += foreign_device_mounts(pod)
     return ops + _marking(pod, annotations={ANNOTATION_RESERVATION: reservation}, reservation=reservation)
 
 
@@ -336,16 +333,21 @@ def queued_entry_of(pod: Obj) -> str | None:
 def hide_gpus_patch(pod: Obj) -> list[Operation]:
     """For pods without a GPU request: `NVIDIA_VISIBLE_DEVICES=void` (`HIDDEN`), so CUDA images
     (which default to `all`) see no GPU at all, whatever runtime class runs them; no CDI request for
-    NVIDIA GPUs in an annotation (NVIDIA's runtime in CDI mode honours those before the variable); and
+    NVIDIA devices in an annotation (NVIDIA's runtime in CDI mode and its NRI plugin honour those before
+    the variable); no device-list mount (a hardened toolkit honours those instead of the variable); and
     no vramshare.io/* labels or annotations (`strip_patch`)."""
-    return [
-        {
-            "op": "add",
-            "path": pointer("spec", key, i, "env"),
-            "value": _with_env(c, {VISIBLE_DEVICES: HIDDEN}),
-        }
-        for key, i, c in _containers(pod)
-    ] + strip_patch(pod, also=foreign_gpu_requests(pod_annotations(pod)))
+    return (
+        [
+            {
+                "op": "add",
+                "path": pointer("spec", key, i, "env"),
+                "value": _with_env(c, {VISIBLE_DEVICES: HIDDEN}),
+            }
+            for key, i, c in _containers(pod)
+        ]
+        + foreign_device_mounts(pod)
+        + strip_patch(pod, also=foreign_gpu_requests(pod_annotations(pod)))
+    )
 
 
 def claimed_marks(pod: Obj) -> list[str]:
@@ -388,11 +390,39 @@ def ephemeral_patch(pod: Obj) -> list[Operation]:
         if placed
         else {VISIBLE_DEVICES: HIDDEN}
     )
-    return [
-        {"op": "add", "path": pointer("spec", "ephemeralContainers", i, "env"), "value": _with_env(c, env)}
-        for i, c in enumerate(pod.get("spec", {}).get("ephemeralContainers") or [])
-        if isinstance(c, dict)
-    ]
+    # Delivered by device-list mounts (delivery mode volume-mounts: the pod has vramshare's volume),
+    # the debug container gets the same mounts; otherwise it may bring none.
+    listed = (
+        placed
+        and all(_GPU_UUID.match(u) for u in uuids.split(","))
+        and any(
+            isinstance(v, dict) and v.get("name") == DEVICE_LIST_VOLUME
+            for v in pod.get("spec", {}).get("volumes") or []
+        )
+    )
+    ops: list[Operation] = []
+    for i, c in enumerate(pod.get("spec", {}).get("ephemeralContainers") or []):
+        if not isinstance(c, dict):
+            continue
+        ops.append(
+            {
+                "op": "add",
+                "path": pointer("spec", "ephemeralContainers", i, "env"),
+                "value": _with_env(c, env),
+            }
+        )
+        mounts = [m for m in c.get("volumeMounts") or [] if not is_device_mount(m)]
+        if listed:
+            mounts += device_mounts(uuids.split(","))
+        if mounts != (c.get("volumeMounts") or []):
+            ops.append(
+                {
+                    "op": "add",
+                    "path": pointer("spec", "ephemeralContainers", i, "volumeMounts"),
+                    "value": mounts,
+                }
+            )
+    return ops
 
 
 @dataclass(frozen=True, kw_only=True)

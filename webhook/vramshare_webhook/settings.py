@@ -113,11 +113,16 @@ class WebhookSettings:
     """Give pods without the annotation NVIDIA_VISIBLE_DEVICES=void (only managed namespaces reach it)."""
     delivery_mode: DeliveryMode = DeliveryMode.ENV
     """How the booked GPU reaches the container (see vramshare_webhook.delivery): env (the variable
-    alone: NVIDIA's runtime is the nodes' default) or runtime-class (also the pod's runtimeClassName:
-    GPU Operator 25.10+, whose default runtime is runc). A namespace's label vramshare.io/delivery
-    chooses for its pods."""
+    alone: NVIDIA's runtime is the nodes' default), runtime-class (also the pod's runtimeClassName:
+    GPU Operator 25.10+, whose default runtime is runc), cdi (NVIDIA's NRI plugin reads the devices
+    from a pod annotation) or volume-mounts (device-list mounts, for toolkits that refuse the variable
+    from unprivileged containers). A namespace's label vramshare.io/delivery chooses for its pods."""
     runtime_class_name: str = "nvidia"
     """The RuntimeClass whose handler is NVIDIA's runtime (delivery mode runtime-class)."""
+    device_list_claim: str = ""
+    """Delivery mode volume-mounts: the PersistentVolumeClaim, in each GPU pod's namespace, bound to a
+    PersistentVolume whose hostPath is /dev/null (namespaces whose Pod Security forbids hostPath
+    volumes); empty: a hostPath volume of /dev/null in the pod."""
     decision_deadline_s: float = 8.0
     """The whole answer's deadline: past it the webhook refuses and withdraws whatever it booked, so
     nothing stays booked for a request the API server gave up on. Keep it below timeoutSeconds."""
@@ -198,6 +203,10 @@ class WebhookSettings:
             raise invalid("max_pending_per_namespace", self.max_pending_per_namespace, "0 (no limit) or more")
         if not is_object_name(self.runtime_class_name):
             raise invalid("runtime_class_name", self.runtime_class_name, "a RuntimeClass name")
+        if self.device_list_claim and not is_object_name(self.device_list_claim):
+            raise invalid(
+                "device_list_claim", self.device_list_claim, "empty or a PersistentVolumeClaim name"
+            )
         if not 1 <= self.max_gpus_per_pod <= 64:
             raise invalid("max_gpus_per_pod", self.max_gpus_per_pod, "1 to 64")
         if self.near_tie_mib < 0:

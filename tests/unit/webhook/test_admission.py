@@ -874,7 +874,8 @@ async def test_the_namespace_label_chooses_the_mode_and_a_bad_one_is_named() -> 
     bad = await delivering(ledger, label="cdi-please").review(request(uid="u3"))
     assert bad["response"]["status"]["code"] == 400
     assert bad["response"]["status"]["message"] == (
-        'namespace label "vramshare.io/delivery" is "cdi-please": accepted values are env, runtime-class'
+        'namespace label "vramshare.io/delivery" is "cdi-please": accepted values are env, runtime-class, '
+        "cdi, volume-mounts"
     )
 
 
