@@ -5,11 +5,12 @@
 #   control plane: etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kubectl, kwok, helm
 #   real nodes:    kubelet (with the control plane), containerd + shim + ctr, runc (cgo, seccomp),
 #                  the CNI loopback plugin and ours (cni-loopback), crictl, pause, NVIDIA's container
-#                  runtime and nvidia-ctk (nvidia-container-toolkit)
+#                  runtime and nvidia-ctk (nvidia-container-toolkit), and its NRI plugin
+#                  (nvidia-cdi-nri)
 #
 # Usage: e2e/tools/build.sh [tool...]
-#   (tools: etcd kubernetes kwok helm krew containerd runc cni crictl pause cni-loopback nvidia-toolkit;
-#    default: all)
+#   (tools: etcd kubernetes kwok helm krew containerd runc cni crictl pause cni-loopback nvidia-toolkit
+#    nvidia-cdi-nri; default: all)
 # Prints nothing on stdout but the bin directory on its last line, so callers can capture it.
 set -euo pipefail
 
@@ -72,6 +73,9 @@ build_one() {
       packages=(github.com/NVIDIA/nvidia-container-toolkit/cmd/nvidia-container-runtime
                 github.com/NVIDIA/nvidia-container-toolkit/cmd/nvidia-ctk)
       outputs=(nvidia-container-runtime nvidia-ctk); cgo=1;;
+    nvidia-cdi-nri)
+      # NVIDIA's NRI plugin (the toolkit's nri package), the GPU Operator's cdi.nriPluginEnabled.
+      packages=(vramshare.io/e2e/tools/nvidia-cdi-nri); outputs=(nvidia-cdi-nri); cgo=0;;
     pause)
       packages=(vramshare.io/e2e/tools/pause); outputs=(pause); cgo=0;;  # static: the image has no libc
     cni-loopback)
@@ -124,6 +128,7 @@ build_one() {
 
 mkdir -p "$bin_dir"
 tools=("$@")
-[[ ${#tools[@]} -gt 0 ]] || tools=(etcd kubernetes kwok helm krew containerd runc cni crictl pause cni-loopback nvidia-toolkit)
+[[ ${#tools[@]} -gt 0 ]] || tools=(etcd kubernetes kwok helm krew containerd runc cni crictl pause cni-loopback nvidia-toolkit
+                                   nvidia-cdi-nri)
 for t in "${tools[@]}"; do build_one "$t"; done
 echo "$bin_dir"

@@ -250,9 +250,24 @@ state = "{self.root / "containerd" / "state"}"
       [plugins."io.containerd.cri.v1.runtime".containerd.runtimes.nvidia.options]
         BinaryName = "{bin_dir / "nvidia-container-runtime"}"
         SystemdCgroup = false
+    # The same runtime hardened as Bottlerocket ships it: the variable refused from unprivileged
+    # containers, device-list mounts accepted (the handler of the RuntimeClass "nvidia-hardened").
+    [plugins."io.containerd.cri.v1.runtime".containerd.runtimes.nvidia-hardened]
+      runtime_type = "io.containerd.runc.v2"
+      [plugins."io.containerd.cri.v1.runtime".containerd.runtimes.nvidia-hardened.options]
+        BinaryName = "{self._hardened_runtime()}"
+        SystemdCgroup = false
   [plugins."io.containerd.cri.v1.runtime".cni]
     bin_dirs = ["{bin_dir / "cni"}"]
     conf_dir = "{cni / "net.d"}"
+
+# NRI, for NVIDIA's NRI plugin (the GPU Operator's cdi.nriPluginEnabled): it asks containerd to inject
+# the CDI devices a pod's nvidia.cdi.k8s.io annotations name, under whatever runtime runs the container.
+[plugins."io.containerd.nri.v1.nri"]
+  disable = false
+  socket_path = "{self.nri_socket}"
+  plugin_path = "{self.root / "nri" / "plugins"}"
+  plugin_config_path = "{self.root / "nri" / "conf.d"}"
 
 [plugins."io.containerd.grpc.v1.cri"]
   stream_server_address = "127.0.0.1"
@@ -262,11 +277,28 @@ state = "{self.root / "containerd" / "state"}"
         path.write_text(config)
         return path
 
-    def _nvidia_runtime_config(self) -> Path:
-        """NVIDIA's runtime in CDI mode, reading the node's CDI specs and handing over to our runc."""
-        log = self.cluster.logs_dir / f"nvidia-container-runtime-{self.name}.log"
-        config = f"""accept-nvidia-visible-devices-envvar-when-unprivileged = true
-accept-nvidia-visible-devices-as-volume-mounts = false
+    @property
+    def nri_socket(self) -> Path:
+        return self.root / "nri" / "nri.sock"
+
+    def _hardened_runtime(self) -> Path:
+        """NVIDIA's runtime with the hardened config: containerd's runtime options name a binary only,
+        so a wrapper sets the config's path."""
+        config = self._nvidia_runtime_config(hardened=True)
+        path = self.root / "nvidia-container-runtime-hardened"
+        path.write_text(
+            f'#!/bin/sh\nNVIDIA_CTK_CONFIG_FILE_PATH="{config}" exec "{tools_bin_dir() / "nvidia-container-runtime"}" "$@"\n'
+        )
+        path.chmod(0o755)
+        return path
+
+    def _nvidia_runtime_config(self, *, hardened: bool = False) -> Path:
+        """NVIDIA's runtime in CDI mode, reading the node's CDI specs and handing over to our runc;
+        `hardened`: the variable refused from unprivileged containers, device-list mounts accepted."""
+        suffix = "-hardened" if hardened else ""
+        log = self.cluster.logs_dir / f"nvidia-container-runtime{suffix}-{self.name}.log"
+        config = f"""accept-nvidia-visible-devices-envvar-when-unprivileged = {str(not hardened).lower()}
+accept-nvidia-visible-devices-as-volume-mounts = {str(hardened).lower()}
 
 [nvidia-container-runtime]
 debug = "{log}"
@@ -279,7 +311,7 @@ default-kind = "nvidia.com/gpu"
 annotation-prefixes = ["cdi.k8s.io/"]
 spec-dirs = ["{self.root / "cdi"}"]
 """
-        path = self.root / "nvidia-container-runtime.toml"
+        path = self.root / f"nvidia-container-runtime{suffix}.toml"
         path.write_text(config)
         return path
 
@@ -370,6 +402,16 @@ spec-dirs = ["{self.root / "cdi"}"]
         )
         self.cluster.components[containerd.name] = containerd
         self.cluster.start_component(containerd.name)
+        self.nri_socket.parent.mkdir(parents=True, exist_ok=True)
+        nri_log = self.cluster.logs_dir / f"nvidia-cdi-nri-{self.name}.log"
+        nri = Component(
+            name=f"nvidia-cdi-nri-{self.name}",
+            argv=[node_bin("nvidia-cdi-nri"), f"--nri-socket={self.nri_socket}"],
+            log_path=nri_log,
+            ready=lambda: "NRI plugin registered" in nri_log.read_text(errors="replace"),
+        )
+        self.cluster.components[nri.name] = nri
+        self.cluster.start_component(nri.name)
         for tarball in [*node_images(), *images]:
             # Unpacked now, for the CRI's snapshotter: the first container need not wait for it.
             result = self._ctr("images", "import", "--snapshotter=overlayfs", "--all-platforms", str(tarball))

@@ -65,7 +65,6 @@ from vramshare_webhook.decision import (
     answer,
 )
 from vramshare_webhook.delivery import (
-    DELIVERY_NAMESPACE_LABEL,
     Delivery,
     delivery_for,
     foreign_gpu_requests,
@@ -326,7 +325,7 @@ class Admitter:
         delivery = delivery_for(
             default=self.settings.delivery_mode,
             runtime_class=self.settings.runtime_class_name,
-            namespace_label=self.namespace_labels(namespace).get(DELIVERY_NAMESPACE_LABEL),
+            namespace_labels=self.namespace_labels(namespace),
             device_list_claim=self.settings.device_list_claim,
         )
         if isinstance(delivery, str):

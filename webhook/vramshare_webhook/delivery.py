@@ -31,14 +31,17 @@ every pod vramshare patches.
 from __future__ import annotations
 
 import posixpath
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
+from vramshare.kube.resources import is_object_name
 from vramshare_webhook.patching import Obj, Operation, containers, pointer
 
 DELIVERY_NAMESPACE_LABEL = "vramshare.io/delivery"
+CLAIM_NAMESPACE_LABEL = "vramshare.io/device-list-claim"
+"""volume-mounts: the namespace's PersistentVolumeClaim of /dev/null (overrides device_list_claim)."""
 CDI_ANNOTATION_PREFIX = "cdi.k8s.io/"
 """Where NVIDIA's runtime in CDI mode reads CDI requests (its `annotation-prefixes` default), from the
 annotations containerd passes it (a runtime's `pod_annotations`) or a device plugin wrote."""
@@ -146,10 +149,22 @@ class Delivery:
 
 
 def delivery_for(
-    *, default: DeliveryMode, runtime_class: str, namespace_label: str | None, device_list_claim: str = ""
+    *,
+    default: DeliveryMode,
+    runtime_class: str,
+    namespace_labels: Mapping[str, str],
+    device_list_claim: str = "",
 ) -> Delivery | str:
-    """The namespace's delivery: its label when it names a mode, else the default. A label naming no
-    mode is the operator's error, said to the pod's creator (a str) rather than ignored."""
+    """The namespace's delivery: its labels when they name a mode (and a claim), else the defaults. A
+    label naming no mode or no valid claim is the operator's error, said to the pod's creator (a str)
+    rather than ignored."""
+    claim = namespace_labels.get(CLAIM_NAMESPACE_LABEL, device_list_claim)
+    if claim and not is_object_name(claim):
+        return (
+            f'namespace label "{CLAIM_NAMESPACE_LABEL}" is "{claim}": accepted values are '
+            "PersistentVolumeClaim names (lower-case DNS subdomains)"
+        )
+    namespace_label = namespace_labels.get(DELIVERY_NAMESPACE_LABEL)
     mode = default
     if namespace_label is not None:
         try:
@@ -160,7 +175,7 @@ def delivery_for(
                 f'namespace label "{DELIVERY_NAMESPACE_LABEL}" is "{namespace_label}": accepted values are '
                 f"{accepted}"
             )
-    return Delivery(mode=mode, runtime_class=runtime_class, device_list_claim=device_list_claim)
+    return Delivery(mode=mode, runtime_class=runtime_class, device_list_claim=claim)
 
 
 def pod_runtime_class(pod: Obj) -> str:

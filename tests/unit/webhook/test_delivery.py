@@ -9,15 +9,20 @@ from typing import Any
 from hypothesis import given
 from hypothesis import strategies as st
 
+from tests.unit.domain.builders import NOW
 from tests.unit.webhook.test_admission import MemoryLedger, admitter, delivering, patch_of, request, with_spec
 from tests.unit.webhook.test_pod import apply
+from vramshare.domain import Accounting
+from vramshare_webhook.admission import Admitter
 from vramshare_webhook.delivery import (
     DEVICE_LIST_ROOT,
     DeliveryMode,
     foreign_gpu_requests,
     is_device_mount,
 )
+from vramshare_webhook.metrics import WebhookMetrics
 from vramshare_webhook.pod import ephemeral_patch, hide_gpus_patch
+from vramshare_webhook.settings import WebhookSettings
 
 UUID = "GPU-a"
 
@@ -325,3 +330,32 @@ def test_hiding_leaves_nothing_nvidias_stack_would_read_as_a_request(
             m["mountPath"] for m in before["volumeMounts"] if not is_device_mount(m)
         ]
         assert {e["name"]: e["value"] for e in after["env"]} == {"NVIDIA_VISIBLE_DEVICES": "void"}
+
+
+async def test_a_namespace_names_its_own_device_list_claim_and_a_bad_one_is_named() -> None:
+    def labelled(labels: dict[str, str]) -> Admitter:
+        return Admitter(
+            settings=WebhookSettings(accounting=Accounting(safety_margin_mib=0)),
+            ledger=MemoryLedger(),
+            metrics=WebhookMetrics(),
+            clock=lambda: NOW,
+            namespace_labels=lambda namespace: labels,
+        )
+
+    req = request()
+    review = await labelled(
+        {"vramshare.io/delivery": "volume-mounts", "vramshare.io/device-list-claim": "dev-null"}
+    ).review(req)
+    (volume,) = patched(review, req)["spec"]["volumes"]
+    assert volume == {
+        "name": "vramshare-gpus",
+        "persistentVolumeClaim": {"claimName": "dev-null", "readOnly": True},
+    }
+    bad = await labelled(
+        {"vramshare.io/delivery": "volume-mounts", "vramshare.io/device-list-claim": "Dev_Null"}
+    ).review(req)
+    assert bad["response"]["status"]["code"] == 400
+    assert bad["response"]["status"]["message"] == (
+        'namespace label "vramshare.io/device-list-claim" is "Dev_Null": accepted values are '
+        "PersistentVolumeClaim names (lower-case DNS subdomains)"
+    )
