@@ -286,9 +286,8 @@ state = "{self.root / "containerd" / "state"}"
         so a wrapper sets the config's path."""
         config = self._nvidia_runtime_config(hardened=True)
         path = self.root / "nvidia-container-runtime-hardened"
-        path.write_text(
-            f'#!/bin/sh\nNVIDIA_CTK_CONFIG_FILE_PATH="{config}" exec "{tools_bin_dir() / "nvidia-container-runtime"}" "$@"\n'
-        )
+        runtime = tools_bin_dir() / "nvidia-container-runtime"
+        path.write_text(f'#!/bin/sh\nNVIDIA_CTK_CONFIG_FILE_PATH="{config}" exec "{runtime}" "$@"\n')
         path.chmod(0o755)
         return path
 

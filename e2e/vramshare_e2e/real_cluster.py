@@ -51,13 +51,13 @@ def real_node_fleet(names: tuple[str, ...]) -> Fleet:
     return Fleet(nodes=[*default_fleet().nodes, *real])
 
 
-RUNTIME_CLASS = {
-    "apiVersion": "node.k8s.io/v1",
-    "kind": "RuntimeClass",
-    "metadata": {"name": "nvidia"},
-    "handler": "nvidia",
-}
-"""As the GPU Operator creates it: its handler is NVIDIA's runtime on every real node."""
+RUNTIME_CLASSES = [
+    {"apiVersion": "node.k8s.io/v1", "kind": "RuntimeClass", "metadata": {"name": name}, "handler": name}
+    for name in ("nvidia", "nvidia-hardened")
+]
+"""nvidia as the GPU Operator creates it: its handler is NVIDIA's runtime on every real node;
+nvidia-hardened: the same runtime refusing the variable from unprivileged containers and taking
+device-list mounts (Bottlerocket's settings)."""
 
 
 def operator_values(cluster: LocalCluster, image: ProductImage) -> list[str]:
@@ -133,7 +133,7 @@ def real_cluster(*, nodes: int = 2, managed: tuple[str, ...] = ()) -> Iterator[R
             real.node_ready_s.append(node.start(images=[image.archive]))
             node.tag_image(image.reference, image.reference + UPGRADE_TAG_SUFFIX)
         say(f"real nodes {', '.join(names)} Ready in {', '.join(f'{s:.1f} s' for s in real.node_ready_s)}")
-        local.apply_objects([RUNTIME_CLASS])
+        local.apply_objects(RUNTIME_CLASSES)
         for ns in managed:
             local.kubectl("create", "namespace", ns)
             local.kubectl("label", "namespace", ns, "vramshare.io/managed=true")

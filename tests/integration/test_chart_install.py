@@ -340,6 +340,64 @@ def test_no_way_around_pinning_and_hiding(stack: LocalCluster) -> None:
     assert "only vramshare sets vramshare.io/* annotations and labels" in refused, refused
 
 
+def test_with_the_webhook_down_hiding_fails_closed_for_every_gpu_field(stack: LocalCluster) -> None:
+    """The hide-gpus webhook fails open (failurePolicy Ignore, so pods are created while it is down);
+    the chart's policy refuses the GPU requests it would have removed (runs after the flow above)."""
+
+    def create(name: str, *, annotations: dict[str, str] | None = None, **container: Any) -> str:
+        body = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": name, "namespace": "jobs", "annotations": annotations or {}},
+            "spec": {
+                "volumes": [{"name": "null", "hostPath": {"path": "/dev/null"}}],
+                "containers": [{"name": "base", "image": "example.invalid/x", **container}],
+            },
+        }
+        return stack.kubectl("create", "-f", "-", stdin=json.dumps(body), check=False)
+
+    stack.stop_component("webhook")
+    try:
+        refused = {
+            "variable": create("grab-env", env=[{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}]),
+            "nri": create("grab-nri", annotations={"nvidia.cdi.k8s.io/container.base": "nvidia.com/gpu=all"}),
+            "cdi": create("grab-cdi", annotations={"cdi.k8s.io/x": "nvidia.com/gpu=0"}),
+            "mount": create(
+                "grab-mount",
+                volumeMounts=[{"name": "null", "mountPath": "/var/run//nvidia-container-devices/all"}],
+            ),
+            "forged": create(
+                "grab-forged",
+                annotations={
+                    "nvidia.cdi.k8s.io/pod": "nvidia.com/gpu=GPU-x",
+                    "vramshare.io/gpu-uuid": "GPU-x",
+                },
+            ),
+        }
+        for what, out in refused.items():
+            # The forged placement is refused by the pinning policy too (a vramshare.io/* key): either.
+            assert "ValidatingAdmissionPolicy 't-vramshare-hiding'" in out or (
+                what == "forged" and "ValidatingAdmissionPolicy 't-vramshare-pinning'" in out
+            ), (what, out)
+        assert "NVIDIA_VISIBLE_DEVICES may name only GPUs vramshare booked" in refused["variable"]
+        assert "CDI requests for NVIDIA devices" in refused["nri"]
+        assert "device-list mounts" in refused["mount"]
+        # Without a GPU field a pod is still created (hiding fails open for the image's own variable:
+        # the default runtime must not be NVIDIA's, see the README's "Which delivery mode").
+        assert "created" in create("plain-while-down")
+        # A pod of the device plugin is not vramshare's.
+        assert "created" in create(
+            "device-plugin",
+            resources={"limits": {"nvidia.com/gpu": "1"}},
+            env=[{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}],
+        )
+    finally:
+        stack.start_component("webhook")
+    # Webhook up: the same requests are removed rather than refused.
+    out = create("grab-env-up", env=[{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}])
+    assert "created" in out, out
+
+
 CERT_MANAGER = "github.com/cert-manager/cert-manager@v1.21.2"
 
 

@@ -52,6 +52,10 @@ H100 = {uuid: name for name, uuids in GPUS.items() for uuid in uuids}
 NS, JOBS, LOAD = NAMESPACE, "jobs", "load"
 RC = "jobs-runtime-class"
 """Managed, delivery mode runtime-class by its label (JOBS has the chart's default, env)."""
+CDI_NS, VM, VMR = "jobs-cdi", "jobs-volume-mounts", "jobs-restricted"
+"""Managed, delivery modes cdi and volume-mounts by label; VMR also Pod Security restricted, its device
+list a claim on a PersistentVolume of /dev/null."""
+DEVICE_CLAIM = "dev-null"
 OPEN = "open"
 """Not managed: vramshare hides nothing there."""
 WEBHOOK, CONTROLLER = f"{RELEASE}-vramshare-webhook", f"{RELEASE}-vramshare-controller"
@@ -91,8 +95,18 @@ class Stack:
 
 @pytest.fixture(scope="module")
 def stack() -> Iterator[Stack]:
-    with real_cluster(nodes=2, managed=(JOBS, LOAD, RC)) as real:
+    with real_cluster(nodes=2, managed=(JOBS, LOAD, RC, CDI_NS, VM, VMR)) as real:
         real.cluster.kubectl("label", "namespace", RC, "vramshare.io/delivery=runtime-class")
+        real.cluster.kubectl("label", "namespace", CDI_NS, "vramshare.io/delivery=cdi")
+        real.cluster.kubectl("label", "namespace", VM, "vramshare.io/delivery=volume-mounts")
+        real.cluster.kubectl(
+            "label",
+            "namespace",
+            VMR,
+            "vramshare.io/delivery=volume-mounts",
+            f"vramshare.io/device-list-claim={DEVICE_CLAIM}",
+            "pod-security.kubernetes.io/enforce=restricted",
+        )
         real.cluster.kubectl("create", "namespace", OPEN)
         assert tuple(n.name for n in real.nodes) == REAL
         core = client.CoreV1Api(config.new_client_from_config(config_file=str(real.cluster.kubeconfig)))
@@ -113,16 +127,32 @@ def task_pod(
     annotations: dict[str, str] | None = None,
     runtime_class: str | None = None,
     env: dict[str, str] | None = None,
+    device_list: str | None = None,
+    restricted: bool = False,
 ) -> client.V1Pod:
+    """`device_list`: the pod mounts /dev/null (hostPath) at that device-list path itself; `restricted`:
+    the security context Pod Security's restricted level requires."""
     annotations = {**({"gpu-mem-mb": str(mib)} if mib else {}), **(annotations or {})}
     if model:
         annotations["gpu-model"] = model
+    locked = client.V1SecurityContext(
+        allow_privilege_escalation=False,
+        capabilities=client.V1Capabilities(drop=["ALL"]),
+        run_as_non_root=True,
+        run_as_user=65534,
+        seccomp_profile=client.V1SeccompProfile(type="RuntimeDefault"),
+    )
     return client.V1Pod(
         metadata=client.V1ObjectMeta(name=name, annotations=annotations or None),
         spec=client.V1PodSpec(
             restart_policy="Never",
             runtime_class_name=runtime_class,
             node_selector={"kubernetes.io/hostname": node} if node else None,
+            volumes=(
+                [client.V1Volume(name="null", host_path=client.V1HostPathVolumeSource(path="/dev/null"))]
+                if device_list
+                else None
+            ),
             containers=[
                 client.V1Container(
                     name="task",
@@ -130,6 +160,10 @@ def task_pod(
                     image_pull_policy="Never",
                     command=["sh", "-c", script],
                     env=[client.V1EnvVar(name=k, value=v) for k, v in (env or {}).items()] or None,
+                    volume_mounts=(
+                        [client.V1VolumeMount(name="null", mount_path=device_list)] if device_list else None
+                    ),
+                    security_context=locked if restricted else None,
                 )
             ],
         ),
@@ -423,6 +457,127 @@ def test_a_pod_without_a_request_gets_no_gpu_whatever_runtime_class_variable_or_
         assert "cdi.k8s.io/mine" not in (made.metadata.annotations or {})
         assert fake_gpus_seen(stack, name, RC) == {}, name
         assert logged_env(stack.core, name, RC)["NVIDIA_VISIBLE_DEVICES"] == "void"
+
+
+def test_cdi_mode_nvidias_nri_plugin_gives_exactly_the_booked_gpus_under_runc(stack: Stack) -> None:
+    """GPU Operator 25.10+ with cdi.nriPluginEnabled: NVIDIA's NRI plugin asks containerd to inject the
+    CDI devices of a pod's nvidia.cdi.k8s.io annotations, whatever runtime runs it (here runc)."""
+    every = {"nvidia.cdi.k8s.io/pod": "nvidia.com/gpu=all"}
+    # Unmanaged, the hole is real: no runtime class, and the plugin hands out every GPU of the node.
+    stack.core.create_namespaced_pod(
+        OPEN, task_pod("nri-grab", mib=None, script=SHOW_FAKE_GPUS, node=REAL[1], annotations=every)
+    )
+    assert sorted(fake_gpus_seen(stack, "nri-grab", OPEN).values()) == sorted(GPUS[REAL[1]])
+    one = stack.core.create_namespaced_pod(CDI_NS, task_pod("cdi-one", mib=20_000, script=SHOW_FAKE_GPUS))
+    booked = one.metadata.annotations[ANNOTATION_GPU_UUID]
+    assert one.spec.runtime_class_name is None
+    assert one.metadata.annotations["nvidia.cdi.k8s.io/pod"] == f"nvidia.com/gpu={booked}"
+    assert list(fake_gpus_seen(stack, "cdi-one", CDI_NS).values()) == [booked]
+    pair = stack.core.create_namespaced_pod(
+        CDI_NS, task_pod("cdi-pair", mib=20_000, script=SHOW_FAKE_GPUS, annotations={"gpu-count": "2"})
+    )
+    booked_pair = pair.metadata.annotations[ANNOTATION_GPU_UUID].split(",")
+    assert sorted(fake_gpus_seen(stack, "cdi-pair", CDI_NS).values()) == sorted(booked_pair)
+    # Managed: the request (per container, which the plugin reads first) is gone, and so is the GPU.
+    hidden = stack.core.create_namespaced_pod(
+        CDI_NS,
+        task_pod(
+            "cdi-hidden",
+            mib=None,
+            script=SHOW_FAKE_GPUS,
+            node=REAL[1],
+            annotations={"nvidia.cdi.k8s.io/container.task": "nvidia.com/gpu=all"},
+        ),
+    )
+    assert not [k for k in hidden.metadata.annotations or {} if k.startswith("nvidia.cdi.k8s.io")]
+    assert fake_gpus_seen(stack, "cdi-hidden", CDI_NS) == {}
+
+
+def device_list_claim(stack: Stack) -> None:
+    """A PersistentVolume whose hostPath is /dev/null, bound to the claim VMR's label names: the
+    device-list volume in a form Pod Security's restricted level accepts."""
+    stack.cluster.apply_objects(
+        [
+            {
+                "apiVersion": "v1",
+                "kind": "PersistentVolume",
+                "metadata": {"name": f"{VMR}-{DEVICE_CLAIM}"},
+                "spec": {
+                    "capacity": {"storage": "1Mi"},
+                    "accessModes": ["ReadOnlyMany"],
+                    "storageClassName": "",
+                    "hostPath": {"path": "/dev/null", "type": "CharDevice"},
+                    "claimRef": {"namespace": VMR, "name": DEVICE_CLAIM},
+                },
+            },
+            {
+                "apiVersion": "v1",
+                "kind": "PersistentVolumeClaim",
+                "metadata": {"name": DEVICE_CLAIM, "namespace": VMR},
+                "spec": {
+                    "accessModes": ["ReadOnlyMany"],
+                    "storageClassName": "",
+                    "volumeName": f"{VMR}-{DEVICE_CLAIM}",
+                    "resources": {"requests": {"storage": "1Mi"}},
+                },
+            },
+        ]
+    )
+    eventually(
+        lambda: stack.core.read_namespaced_persistent_volume_claim(DEVICE_CLAIM, VMR).status.phase == "Bound",
+        what="the device-list claim Bound",
+        timeout_s=60,
+    )
+
+
+def test_volume_mounts_mode_delivers_on_a_hardened_toolkit_that_refuses_the_variable(stack: Stack) -> None:
+    """NVIDIA's runtime as Bottlerocket configures it (RuntimeClass nvidia-hardened here)."""
+    hardened = "nvidia-hardened"
+    refused = stack.core.create_namespaced_pod(
+        JOBS, task_pod("hardened-env", mib=20_000, script=SHOW_FAKE_GPUS, runtime_class=hardened)
+    )
+    # env mode: booked and told, but the runtime ignores the variable of an unprivileged container.
+    assert fake_gpus_seen(stack, "hardened-env", JOBS) == {}
+    runtime_log = stack.cluster.logs_dir / f"nvidia-container-runtime-hardened-{refused.spec.node_name}.log"
+    assert "Ignoring devices requested by environment variable(s) in unprivileged container" in (
+        runtime_log.read_text()
+    )
+    mounted = stack.core.create_namespaced_pod(
+        VM, task_pod("hardened-mounts", mib=20_000, script=SHOW_FAKE_GPUS, runtime_class=hardened)
+    )
+    booked = mounted.metadata.annotations[ANNOTATION_GPU_UUID]
+    (volume,) = mounted.spec.volumes[-1:]
+    assert volume.host_path.path == "/dev/null"
+    assert [
+        m.mount_path for m in mounted.spec.containers[0].volume_mounts or [] if m.name == volume.name
+    ] == [f"/var/run/nvidia-container-devices/{booked}"]
+    assert list(fake_gpus_seen(stack, "hardened-mounts", VM).values()) == [booked]
+    # A device-list mount of its own: all of the node's GPUs where unmanaged, none where managed.
+    grab = {
+        "device_list": "/var/run/nvidia-container-devices/all",
+        "runtime_class": hardened,
+        "node": REAL[1],
+    }
+    stack.core.create_namespaced_pod(OPEN, task_pod("mount-grab", mib=None, script=SHOW_FAKE_GPUS, **grab))  # type: ignore[arg-type]
+    assert sorted(fake_gpus_seen(stack, "mount-grab", OPEN).values()) == sorted(GPUS[REAL[1]])
+    hidden = stack.core.create_namespaced_pod(
+        VM, task_pod("mount-hidden", mib=None, script=SHOW_FAKE_GPUS, **grab)
+    )  # type: ignore[arg-type]
+    assert not [
+        m for m in hidden.spec.containers[0].volume_mounts or [] if "nvidia-container-devices" in m.mount_path
+    ]
+    assert fake_gpus_seen(stack, "mount-hidden", VM) == {}
+    # Pod Security restricted forbids hostPath volumes: there the volume is the namespace's claim.
+    device_list_claim(stack)
+    locked = stack.core.create_namespaced_pod(
+        VMR,
+        task_pod(
+            "restricted-mounts", mib=20_000, script=SHOW_FAKE_GPUS, runtime_class=hardened, restricted=True
+        ),
+    )
+    booked = locked.metadata.annotations[ANNOTATION_GPU_UUID]
+    assert locked.spec.volumes[-1].persistent_volume_claim.claim_name == DEVICE_CLAIM
+    assert list(fake_gpus_seen(stack, "restricted-mounts", VMR).values()) == [booked]
 
 
 def test_a_kubernetes_pod_operator_task_runs_on_a_real_node_and_streams_what_it_got(
