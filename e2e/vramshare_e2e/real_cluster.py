@@ -60,6 +60,69 @@ nvidia-hardened: the same runtime refusing the variable from unprivileged contai
 device-list mounts (Bottlerocket's settings)."""
 
 
+CLUSTER_POLICY_CRD = {
+    "apiVersion": "apiextensions.k8s.io/v1",
+    "kind": "CustomResourceDefinition",
+    "metadata": {"name": "clusterpolicies.nvidia.com"},
+    "spec": {
+        "group": "nvidia.com",
+        "scope": "Cluster",
+        "names": {
+            "kind": "ClusterPolicy",
+            "listKind": "ClusterPolicyList",
+            "plural": "clusterpolicies",
+            "singular": "clusterpolicy",
+        },
+        "versions": [
+            {
+                "name": "v1",
+                "served": True,
+                "storage": True,
+                "schema": {
+                    "openAPIV3Schema": {
+                        "type": "object",
+                        "x-kubernetes-preserve-unknown-fields": True,
+                        "properties": {
+                            "spec": {
+                                "type": "object",
+                                "x-kubernetes-preserve-unknown-fields": True,
+                                "properties": {
+                                    "cdi": {
+                                        "type": "object",
+                                        "properties": {
+                                            "enabled": {"type": "boolean"},
+                                            "default": {"type": "boolean"},
+                                            "nriPluginEnabled": {"type": "boolean"},
+                                        },
+                                    }
+                                },
+                            }
+                        },
+                    }
+                },
+            }
+        ],
+    },
+}
+"""The GPU Operator's ClusterPolicy API (nvidia.com/v1, cluster-scoped), with the fields of its spec.cdi
+that GPU Operator 25.10+ defines (enabled, the deprecated default, nriPluginEnabled) and the rest kept
+as is: what the delivery preflight reads on a GPU Operator cluster. Written here (the operator's Go
+module is not served), not NVIDIA's file."""
+
+
+def cluster_policy(*, cdi_enabled: bool, nri_plugin_enabled: bool) -> dict[str, object]:
+    """A ClusterPolicy as a GPU Operator 25.10+ install has it (its defaults: CDI on, the NRI plugin off)."""
+    return {
+        "apiVersion": "nvidia.com/v1",
+        "kind": "ClusterPolicy",
+        "metadata": {"name": "cluster-policy"},
+        "spec": {
+            "operator": {"defaultRuntime": "containerd", "runtimeClass": "nvidia"},
+            "cdi": {"enabled": cdi_enabled, "nriPluginEnabled": nri_plugin_enabled},
+        },
+    }
+
+
 def operator_values(cluster: LocalCluster, image: ProductImage) -> list[str]:
     """What an operator sets for nodes like these, and nothing else: the image (imported, so never
     pulled), Prometheus, hostNetwork (pods here reach nothing off their node but loopback), the API

@@ -36,10 +36,12 @@ from vramshare_e2e.image import ProductImage
 from vramshare_e2e.node import TASK_IMAGE, node_address
 from vramshare_e2e.real_cluster import (
     CHART,
+    CLUSTER_POLICY_CRD,
     NAMESPACE,
     RELEASE,
     UPGRADE_TAG_SUFFIX,
     RealCluster,
+    cluster_policy,
     real_cluster,
 )
 
@@ -433,6 +435,95 @@ def test_with_runc_as_the_default_runtime_env_mode_delivers_no_gpu_and_runtime_c
     assert sorted(fake_gpus_seen(stack, "rc-pair", RC).values()) == sorted(booked_pair)
 
 
+def deliveries(stack: Stack) -> dict[str, dict[str, Any]]:
+    """status.delivery of each real node's GPUs, by UUID (those that have one)."""
+    return {
+        d["spec"]["uuid"]: d["status"]["delivery"]
+        for d in json.loads(stack.cluster.kubectl("get", "gpudevices", "-o", "json"))["items"]
+        if d["spec"]["uuid"] in H100 and "delivery" in d.get("status", {})
+    }
+
+
+def results(delivery: dict[str, Any]) -> dict[str, str]:
+    return {m["mode"]: m["result"] for m in delivery["modes"]}
+
+
+def test_the_preflight_tells_which_modes_deliver_on_each_node(stack: Stack) -> None:
+    """What the cluster publishes, read by the controller: GpuDevice status.delivery, an event, the
+    printer column. Here the chart's default mode env is the one that cannot deliver (runc is the
+    default runtime), which the preflight says once it sees a GPU Operator 25.10's ClusterPolicy."""
+    for name in REAL:
+        node = json.loads(stack.cluster.kubectl("get", "node", name, "-o", "json"))
+        handlers = {h["name"] for h in node["status"]["runtimeHandlers"]}
+        assert {"nvidia", "nvidia-hardened"} <= handlers, handlers
+    found = eventually(
+        lambda: (d := deliveries(stack)) and set(d) == set(H100) and d,
+        what="the preflight on every real node's GPU",
+        timeout_s=90,
+    )
+    for delivery in found.values():
+        assert delivery["mode"] == "env"
+        # Nothing tells what the default runtime is; the runtime class and its handler are there.
+        assert results(delivery) == {
+            "env": "Unknown",
+            "runtime-class": "Delivers",
+            "cdi": "Unknown",
+            "volume-mounts": "Unknown",
+        }
+    stack.cluster.apply_objects([CLUSTER_POLICY_CRD])
+    stack.cluster.kubectl(
+        "wait", "--for=condition=Established", "crd/clusterpolicies.nvidia.com", "--timeout=60s"
+    )
+    stack.cluster.apply_objects([cluster_policy(cdi_enabled=True, nri_plugin_enabled=False)])
+    try:
+        started = time.monotonic()
+        found = eventually(
+            lambda: (
+                (d := deliveries(stack))
+                and all(results(x)["env"] == "CannotDeliver" for x in d.values())
+                and d
+            ),
+            what="env reported unable to deliver",
+            timeout_s=90,
+        )
+        print(
+            "\nClusterPolicy applied: every real GPU's env result CannotDeliver after "
+            f"{time.monotonic() - started:.1f} s"
+        )
+        for delivery in found.values():
+            assert delivery["result"] == "CannotDeliver"
+            assert "spec.cdi.enabled: true" in delivery["message"]
+            assert "use delivery mode runtime-class" in delivery["message"]
+            assert results(delivery)["runtime-class"] == "Delivers"
+            assert results(delivery)["cdi"] == "CannotDeliver"  # the NRI plugin is off by default
+        events = json.loads(
+            stack.cluster.kubectl(
+                "get",
+                "events",
+                "-n",
+                "default",
+                "--field-selector=reason=DeliveryModeCannotDeliver",
+                "-o",
+                "json",
+            )
+        )["items"]
+        warned = {e["involvedObject"]["name"] for e in events}
+        devices = json.loads(stack.cluster.kubectl("get", "gpudevices", "-o", "json"))["items"]
+        assert {d["metadata"]["name"] for d in devices if d["spec"]["uuid"] in H100} <= warned
+        table = stack.cluster.kubectl("get", "gpudevices")
+        assert "DELIVERY" in table.splitlines()[0]
+        assert "CannotDeliver" in table
+        # The NRI plugin enabled: the cdi mode delivers.
+        stack.cluster.apply_objects([cluster_policy(cdi_enabled=True, nri_plugin_enabled=True)])
+        eventually(
+            lambda: (d := deliveries(stack)) and all(results(x)["cdi"] == "Delivers" for x in d.values()),
+            what="cdi reported delivering",
+            timeout_s=90,
+        )
+    finally:
+        stack.cluster.kubectl("delete", "clusterpolicy", "cluster-policy", "--ignore-not-found")
+
+
 def test_a_pod_without_a_request_gets_no_gpu_whatever_runtime_class_variable_or_cdi_request_it_carries(
     stack: Stack,
 ) -> None:
@@ -533,12 +624,13 @@ def device_list_claim(stack: Stack) -> None:
 def test_volume_mounts_mode_delivers_on_a_hardened_toolkit_that_refuses_the_variable(stack: Stack) -> None:
     """NVIDIA's runtime as Bottlerocket configures it (RuntimeClass nvidia-hardened here)."""
     hardened = "nvidia-hardened"
-    refused = stack.core.create_namespaced_pod(
+    stack.core.create_namespaced_pod(
         JOBS, task_pod("hardened-env", mib=20_000, script=SHOW_FAKE_GPUS, runtime_class=hardened)
     )
     # env mode: booked and told, but the runtime ignores the variable of an unprivileged container.
     assert fake_gpus_seen(stack, "hardened-env", JOBS) == {}
-    runtime_log = stack.cluster.logs_dir / f"nvidia-container-runtime-hardened-{refused.spec.node_name}.log"
+    node = stack.core.read_namespaced_pod("hardened-env", JOBS).spec.node_name
+    runtime_log = stack.cluster.logs_dir / f"nvidia-container-runtime-hardened-{node}.log"
     assert "Ignoring devices requested by environment variable(s) in unprivileged container" in (
         runtime_log.read_text()
     )

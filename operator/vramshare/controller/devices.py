@@ -15,16 +15,18 @@ from collections.abc import Callable, Sequence
 
 import structlog
 
+from vramshare.controller.delivery import DeliveryPreflight
 from vramshare.controller.metrics import ControllerMetrics
 from vramshare.controller.settings import ControllerSettings
 from vramshare.controller.state import ClusterState
 from vramshare.dcgm_series import Cause, DcgmReading, Unusable
 from vramshare.domain import Reservation
+from vramshare.domain.delivery_check import Check, Result
 from vramshare.domain.inventory import DeviceState, GpuPresence, Known, Sample, TotalDrift, observe, to_forget
 from vramshare.domain.inventory import DeviceStatus as Judged
 from vramshare.kube.client import ApiError, KubeClient
 from vramshare.kube.events import Event, Involved, post_event
-from vramshare.kube.objects import Condition, DeviceSpec, DeviceStatus, GpuDevice
+from vramshare.kube.objects import Condition, Delivery, DeviceSpec, DeviceStatus, GpuDevice
 from vramshare.kube.resources import API_VERSION, devices_path
 from vramshare.prometheus import DcgmSource, PrometheusUnavailableError
 
@@ -58,9 +60,15 @@ def conditions(
 
 
 def device_status(
-    judged: Judged, previous: DeviceStatus | None, *, now: float, generation: int = 0
+    judged: Judged,
+    previous: DeviceStatus | None,
+    *,
+    now: float,
+    generation: int = 0,
+    delivery: Delivery | None = None,
 ) -> DeviceStatus:
-    """What the GpuDevice's status should say about `judged`, for the device's `generation`."""
+    """What the GpuDevice's status should say about `judged`, for the device's `generation`;
+    `delivery`: the preflight on its node (None: the last one written is kept)."""
     gpu, room, state = judged.gpu, judged.headroom, judged.state
     over = judged.overused_mib > 0
     wanted = {
@@ -94,6 +102,7 @@ def device_status(
         state=state.value,
         conditions=conditions(previous.conditions if previous else (), wanted, now, generation),
         observed_generation=generation,
+        delivery=delivery if delivery is not None else (previous.delivery if previous else None),
     )
 
 
@@ -148,6 +157,9 @@ class InventoryLoop:
         self._drift: dict[str, TotalDrift] = {}
         self._causes_logged: set[Cause] = set()
         self.outage: str | None = None
+        self.preflight = DeliveryPreflight(kube=kube, settings=settings, state=state)
+        self._delivery: dict[str, tuple[Check, ...]] = {}
+        """This poll's preflight, by node."""
 
     async def _reading(self) -> DcgmReading | None:
         try:
@@ -265,6 +277,7 @@ class InventoryLoop:
         drifting = self._report_totals(statuses, known)
         if reading is not None:
             self._report_unusable([*reading.unusable, *strangers, *drifting])
+        self._delivery = self.preflight.checks()
         gone = to_forget(statuses, reservations=reservations, now=now, settings=self.settings.inventory)
         for judged in statuses:
             recorded = by_uuid.get(judged.gpu.uuid)
@@ -359,7 +372,11 @@ class InventoryLoop:
             )
             self.state.devices.put(f"/{device.meta.name}", device)  # its new generation
         previous = device.status
-        desired = device_status(judged, previous, now=now, generation=device.meta.generation)
+        checks = self._delivery.get(gpu.node)
+        delivery = Delivery.of(self.settings.delivery_mode, checks) if checks else None
+        desired = device_status(
+            judged, previous, now=now, generation=device.meta.generation, delivery=delivery
+        )
         self._last_seen[gpu.uuid] = judged.last_seen_at
         if not _worth_writing(desired, previous, refresh_s=self.settings.accounting.max_sample_age_s / 4):
             return
@@ -376,6 +393,7 @@ class InventoryLoop:
                 previous=previous.state if previous else None,
                 message=judged.message,
             )
+        await self._report_delivery(device, previous, desired, now=now)
         was_over = _overused(previous)
         if judged.overused_mib > 0 and not was_over:
             # Pods, not holds: a hold keeps memory for a task that does not run yet.
@@ -406,6 +424,42 @@ class InventoryLoop:
         elif judged.overused_mib == 0 and was_over:
             log.info("GPU memory back within reservations", uuid=gpu.uuid, node=gpu.node)
 
+    async def _report_delivery(
+        self, device: GpuDevice, previous: DeviceStatus | None, desired: DeviceStatus, *, now: float
+    ) -> None:
+        """A Warning event (and log) when the configured mode turns out unable to deliver this GPU."""
+        after, before = desired.delivery, previous.delivery if previous else None
+        if after is None or after.result != Result.CANNOT.value:
+            return
+        if before is not None and (before.mode, before.result, before.message) == (
+            after.mode,
+            after.result,
+            after.message,
+        ):
+            return
+        log.warning(
+            "delivery mode cannot deliver",
+            uuid=device.spec.uuid,
+            node=device.spec.node_name,
+            mode=after.mode,
+            why=after.message,
+        )
+        await post_event(
+            self.kube,
+            namespace="default",
+            involved=Involved(
+                api_version=API_VERSION, kind="GpuDevice", name=device.meta.name, uid=device.meta.uid
+            ),
+            event=Event(
+                type="Warning",
+                reason="DeliveryModeCannotDeliver",
+                message=f"delivery mode {after.mode} cannot give pods GPU {device.spec.uuid} on node "
+                f"{device.spec.node_name}: {after.message}",
+            ),
+            now=now,
+            reporter=self.settings.identity,
+        )
+
     def _export(self, statuses: list[Judged], reservations: list[Reservation], now: float) -> None:
         m = self.metrics
         for g in (m.total, m.used, m.reserved, m.headroom, m.sample_age, m.overused, m.state):
@@ -427,6 +481,13 @@ class InventoryLoop:
             m.reservations.labels(phase).set(n)
 
     async def run(self) -> None:
+        preflight = asyncio.create_task(self.preflight.run(), name="delivery-preflight")
+        try:
+            await self._poll_forever()
+        finally:
+            preflight.cancel()
+
+    async def _poll_forever(self) -> None:
         while True:
             try:
                 await self.poll()

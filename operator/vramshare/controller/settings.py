@@ -12,8 +12,10 @@ from vramshare.airflow_pools import AirflowAccess
 from vramshare.controller.leader import LeaseTiming
 from vramshare.dcgm_series import valid_node_label
 from vramshare.domain import Accounting, AllocationSettings, Policy, QueueSettings
+from vramshare.domain.delivery_check import MODES
 from vramshare.domain.inventory import InventorySettings
 from vramshare.domain.pools import PoolBasis, PoolRule
+from vramshare.kube.resources import is_object_name
 from vramshare.prometheus import PrometheusAccess
 from vramshare.settings import check_accounting, from_env, invalid
 
@@ -42,6 +44,13 @@ class ControllerSettings:
     total_drift_tolerance_mib: int = 64
     """A reading whose free + used + reserved differs from the card's pinned total by more is rejected."""
     poll_interval_s: float = 5.0
+    delivery_mode: str = "env"
+    """The webhook's delivery mode (the chart passes the webhook's value): the preflight reports
+    whether it can deliver on each GPU's node (GpuDevice status.delivery, an event when it cannot)."""
+    runtime_class_name: str = "nvidia"
+    """The webhook's runtime class (delivery mode runtime-class)."""
+    delivery_check_interval_s: float = 30.0
+    """How often the preflight rereads the RuntimeClasses and the GPU Operator's ClusterPolicy."""
     accounting: Accounting = field(default_factory=Accounting)
     """Shared with the webhook: VRAMSHARE_SAFETY_MARGIN_MIB, _SETTLE_S, _MAX_SAMPLE_AGE_S, _STALE_MODE."""
     missing_grace_s: float = 60.0
@@ -181,9 +190,14 @@ class ControllerSettings:
             "queue_interval_s",
             "unschedulable_warning_s",
             "hold_limit_s",
+            "delivery_check_interval_s",
         ):
             if getattr(self, name) <= 0:
                 raise invalid(name, getattr(self, name), "a positive number of seconds")
+        if self.delivery_mode not in MODES:
+            raise invalid("delivery_mode", self.delivery_mode, ", ".join(MODES))
+        if not is_object_name(self.runtime_class_name):
+            raise invalid("runtime_class_name", self.runtime_class_name, "a RuntimeClass name")
         if self.airflow_url and not self.airflow_url.startswith(("http://", "https://")):
             raise invalid(
                 "airflow_url", self.airflow_url, "an http:// or https:// URL of Airflow's API server"

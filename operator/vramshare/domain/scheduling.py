@@ -108,6 +108,9 @@ class NodeView:
     taints: tuple[Taint, ...] = ()
     unschedulable: bool = False
     ready: bool = True
+    runtime_handlers: tuple[str, ...] | None = None
+    """The container runtime's handlers its kubelet reports (status.runtimeHandlers; "" is the
+    default); None where it reports none (kubelets before 1.30). Read by the delivery preflight."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

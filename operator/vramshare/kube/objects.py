@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Self
 
 from vramshare.domain import Gpu, Reservation, ReservationPhase
+from vramshare.domain.delivery_check import Check, Result
 from vramshare.domain.inventory import DeviceState
 from vramshare.domain.models import MigInstance, mig_summary
 from vramshare.kube.resources import (
@@ -412,6 +413,44 @@ class Condition:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Delivery:
+    """status.delivery: the configured mode's result on the GPU's node, and every mode's."""
+
+    mode: str
+    result: str
+    message: str
+    modes: tuple[Check, ...] = ()
+
+    @classmethod
+    def of(cls, mode: str, checks: tuple[Check, ...]) -> Self:
+        chosen = next(c for c in checks if c.mode == mode)
+        return cls(mode=mode, result=chosen.result.value, message=chosen.message, modes=checks)
+
+    @classmethod
+    def from_wire(cls, obj: Obj) -> Self:
+        return cls(
+            mode=str(obj.get("mode", "")),
+            result=str(obj.get("result", "")),
+            message=str(obj.get("message", "")),
+            modes=tuple(
+                Check(
+                    mode=str(m.get("mode", "")), result=Result(m["result"]), message=str(m.get("message", ""))
+                )
+                for m in obj.get("modes") or []
+                if isinstance(m, dict) and m.get("result") in Result.__members__.values()
+            ),
+        )
+
+    def to_wire(self) -> Obj:
+        return {
+            "mode": self.mode,
+            "result": self.result,
+            "message": self.message,
+            "modes": [{"mode": c.mode, "result": c.result.value, "message": c.message} for c in self.modes],
+        }
+
+
+@dataclass(frozen=True, kw_only=True)
 class DeviceStatus:
     """What the controller publishes about one GPU (figures in MiB)."""
 
@@ -429,6 +468,8 @@ class DeviceStatus:
     observed_generation: int = 0
     mig: tuple[MigInstance, ...] = ()
     """A MIG-enabled GPU's instances (never handed to pods); empty for a whole GPU."""
+    delivery: Delivery | None = None
+    """The delivery preflight on the GPU's node (see vramshare.domain.delivery_check)."""
 
     @classmethod
     def from_wire(cls, obj: Obj) -> Self | None:
@@ -449,6 +490,7 @@ class DeviceStatus:
             conditions=tuple(Condition.from_wire(c) for c in obj.get("conditions") or []),
             observed_generation=int(obj.get("observedGeneration") or 0),
             mig=tuple(_mig_from_wire(i) for i in (obj.get("mig") or {}).get("instances") or []),
+            delivery=Delivery.from_wire(obj["delivery"]) if isinstance(obj.get("delivery"), dict) else None,
         )
 
     def to_wire(self) -> Obj:
@@ -473,6 +515,8 @@ class DeviceStatus:
                 "summary": mig_summary(self.mig),
                 "instances": [_mig_to_wire(i) for i in self.mig],
             }
+        if self.delivery is not None:
+            out["delivery"] = self.delivery.to_wire()
         return out
 
     def condition(self, kind: str) -> Condition | None:

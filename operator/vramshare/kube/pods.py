@@ -201,4 +201,9 @@ def node_view(node: Obj) -> NodeView:
         ),
         unschedulable=bool(spec.get("unschedulable")),
         ready=ready,
+        runtime_handlers=(
+            tuple(str(h.get("name") or "") for h in status["runtimeHandlers"] if isinstance(h, dict))
+            if isinstance(status.get("runtimeHandlers"), list)
+            else None
+        ),
     )
