@@ -41,6 +41,10 @@ class GpuRow:
     sample_age_s: float | None
     mig: str = ""
     """A MIG-enabled GPU's instances, e.g. "2 GPU instances: 3g.20gb (GI 1), 3g.20gb (GI 2)"."""
+    delivery: str = ""
+    """The delivery preflight's result for the configured mode (Delivers, CannotDeliver, Unknown)."""
+    delivery_mode: str = ""
+    delivery_message: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -82,6 +86,9 @@ def from_objects(devices: list[dict[str, Any]], reservations: list[dict[str, Any
                 headroom_mib=st.headroom_mib if st else 0,
                 sample_age_s=None if st is None else max(0.0, now - st.sampled_at),
                 mig=mig_summary(st.mig) if st is not None and st.mig else "",
+                delivery=st.delivery.result if st is not None and st.delivery else "",
+                delivery_mode=st.delivery.mode if st is not None and st.delivery else "",
+                delivery_message=st.delivery.message if st is not None and st.delivery else "",
             )
         )
     rows = []
@@ -170,10 +177,18 @@ def render(status: Status, *, all_phases: bool = True, wide: bool = False) -> st
             str(max(g.headroom_mib, 0)),
             f"{g.state}, MIG" if g.mig else g.state,
             age(g.sample_age_s),
+            g.delivery or "-",
             f"[{bar(g)}]",
         ]
         for g in status.gpus
     ]
+    # Why a node's GPUs would not reach pods, once per node and reason.
+    problems = sorted(
+        {(g.node, g.delivery_mode, g.delivery_message) for g in status.gpus if g.delivery == "CannotDeliver"}
+    )
+    cannot = "".join(
+        f"\n  {node}: delivery mode {mode} cannot deliver: {why}" for node, mode, why in problems
+    )
     res = [r for r in status.reservations if all_phases or r.phase in ("Queued", "Reserved", "Bound")]
     res_rows = [
         [
@@ -202,6 +217,7 @@ def render(status: Status, *, all_phases: bool = True, wide: bool = False) -> st
                 "HEADROOM",
                 "STATE",
                 "SAMPLED",
+                "DELIVERY",
                 "MEMORY (#used +reserved .free)",
             ],
             gpu_rows,
@@ -227,7 +243,7 @@ def render(status: Status, *, all_phases: bool = True, wide: bool = False) -> st
         if res_rows
         else "No reservations."
     )
-    return f"GPUs\n{gpus}\n\nReservations\n{reservations}"
+    return f"GPUs\n{gpus}{cannot}\n\nReservations\n{reservations}"
 
 
 def to_json(status: Status) -> str:

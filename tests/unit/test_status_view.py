@@ -189,3 +189,23 @@ def test_a_mig_gpu_says_so_in_the_table_and_the_json() -> None:
     assert "Ready, MIG" in render(status)
     assert json.loads(to_json(status))["gpus"][0]["mig"] == "2 GPU instances: 3g.20gb (GI 1), 3g.20gb (GI 2)"
     assert from_objects([DEVICE], [], now=NOW).gpus[0].mig == ""
+
+
+def test_the_delivery_preflight_shows_per_gpu_and_why_a_node_cannot() -> None:
+    why = "the GPU Operator's ClusterPolicy cluster-policy has spec.cdi.enabled: true: ..."
+    cannot = json.loads(json.dumps(DEVICE))
+    cannot["status"]["delivery"] = {
+        "mode": "env",
+        "result": "CannotDeliver",
+        "message": why,
+        "modes": [{"mode": "env", "result": "CannotDeliver", "message": why}],
+    }
+    shown = render(from_objects([cannot, cannot], [], now=NOW))
+    header, row = shown.splitlines()[1:3]
+    assert "DELIVERY" in header
+    assert "CannotDeliver" in row
+    # Said once per node and reason, under the table.
+    assert shown.count(f"gpu-node-a: delivery mode env cannot deliver: {why}") == 1
+    assert json.loads(to_json(from_objects([cannot], [], now=NOW)))["gpus"][0]["delivery"] == "CannotDeliver"
+    plain = render(from_objects([DEVICE], [], now=NOW))
+    assert "cannot deliver" not in plain

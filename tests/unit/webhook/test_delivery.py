@@ -13,6 +13,7 @@ from tests.unit.domain.builders import NOW
 from tests.unit.webhook.test_admission import MemoryLedger, admitter, delivering, patch_of, request, with_spec
 from tests.unit.webhook.test_pod import apply
 from vramshare.domain import Accounting
+from vramshare.domain.delivery_check import MODES
 from vramshare_webhook.admission import Admitter
 from vramshare_webhook.delivery import (
     DEVICE_LIST_ROOT,
@@ -359,3 +360,7 @@ async def test_a_namespace_names_its_own_device_list_claim_and_a_bad_one_is_name
         'namespace label "vramshare.io/device-list-claim" is "Dev_Null": accepted values are '
         "PersistentVolumeClaim names (lower-case DNS subdomains)"
     )
+
+
+def test_the_preflight_judges_exactly_the_webhooks_modes() -> None:
+    assert tuple(m.value for m in DeliveryMode) == MODES
