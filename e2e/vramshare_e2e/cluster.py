@@ -48,6 +48,12 @@ PACKAGE_DIR = Path(__file__).resolve().parent
 BUILD_SCRIPT = PACKAGE_DIR.parent / "tools" / "build.sh"
 KWOK_STAGES = PACKAGE_DIR / "kwok-stages.yaml"
 CRDS_DIR = PACKAGE_DIR.parents[1] / "crds"
+NVIDIA_RUNTIME_CLASS = {
+    "apiVersion": "node.k8s.io/v1",
+    "kind": "RuntimeClass",
+    "metadata": {"name": "nvidia"},
+    "handler": "nvidia",
+}
 RUN_DURATION_ANNOTATION = "e2e.vramshare.io/run-duration"
 EXIT_CODE_ANNOTATION = "e2e.vramshare.io/exit-code"
 
@@ -501,6 +507,9 @@ class LocalCluster:
             self.start_component(name)
         if self.settings.install_crds:
             self.apply_file(CRDS_DIR)
+        # As every GPU Operator release creates it (vramshare's default delivery mode names it; the
+        # API server refuses pods naming a RuntimeClass that does not exist).
+        self.apply_objects([NVIDIA_RUNTIME_CLASS])
         for name in self.components:
             if name not in order:
                 self.components[name].start()

@@ -53,7 +53,7 @@ H100 = {uuid: name for name, uuids in GPUS.items() for uuid in uuids}
 """Each real node's fake H100s by UUID: one on the first node, two on the second."""
 NS, JOBS, LOAD = NAMESPACE, "jobs", "load"
 RC = "jobs-runtime-class"
-"""Managed, delivery mode runtime-class by its label (JOBS has the chart's default, env)."""
+"""Managed, with the chart's default delivery mode, runtime-class (JOBS keeps env by its label)."""
 CDI_NS, VM, VMR = "jobs-cdi", "jobs-volume-mounts", "jobs-restricted"
 """Managed, delivery modes cdi and volume-mounts by label; VMR also Pod Security restricted, its device
 list a claim on a PersistentVolume of /dev/null."""
@@ -98,7 +98,7 @@ class Stack:
 @pytest.fixture(scope="module")
 def stack() -> Iterator[Stack]:
     with real_cluster(nodes=2, managed=(JOBS, LOAD, RC, CDI_NS, VM, VMR)) as real:
-        real.cluster.kubectl("label", "namespace", RC, "vramshare.io/delivery=runtime-class")
+        real.cluster.kubectl("label", "namespace", JOBS, "vramshare.io/delivery=env")
         real.cluster.kubectl("label", "namespace", CDI_NS, "vramshare.io/delivery=cdi")
         real.cluster.kubectl("label", "namespace", VM, "vramshare.io/delivery=volume-mounts")
         real.cluster.kubectl(
@@ -449,9 +449,10 @@ def results(delivery: dict[str, Any]) -> dict[str, str]:
 
 
 def test_the_preflight_tells_which_modes_deliver_on_each_node(stack: Stack) -> None:
-    """What the cluster publishes, read by the controller: GpuDevice status.delivery, an event, the
-    printer column. Here the chart's default mode env is the one that cannot deliver (runc is the
-    default runtime), which the preflight says once it sees a GPU Operator 25.10's ClusterPolicy."""
+    """What the cluster publishes, read by the controller: GpuDevice status.delivery, the printer
+    column, a Warning event. env cannot deliver here (runc is the default runtime), which the
+    preflight says once it sees a GPU Operator 25.10's ClusterPolicy; the configured mode
+    (runtime-class) cannot on a node its RuntimeClass does not schedule onto."""
     for name in REAL:
         node = json.loads(stack.cluster.kubectl("get", "node", name, "-o", "json"))
         handlers = {h["name"] for h in node["status"]["runtimeHandlers"]}
@@ -462,7 +463,7 @@ def test_the_preflight_tells_which_modes_deliver_on_each_node(stack: Stack) -> N
         timeout_s=90,
     )
     for delivery in found.values():
-        assert delivery["mode"] == "env"
+        assert (delivery["mode"], delivery["result"]) == ("runtime-class", "Delivers")
         # Nothing tells what the default runtime is; the runtime class and its handler are there.
         assert results(delivery) == {
             "env": "Unknown",
@@ -475,6 +476,7 @@ def test_the_preflight_tells_which_modes_deliver_on_each_node(stack: Stack) -> N
         "wait", "--for=condition=Established", "crd/clusterpolicies.nvidia.com", "--timeout=60s"
     )
     stack.cluster.apply_objects([cluster_policy(cdi_enabled=True, nri_plugin_enabled=False)])
+    rc = json.loads(stack.cluster.kubectl("get", "runtimeclass", "nvidia", "-o", "json"))
     try:
         started = time.monotonic()
         found = eventually(
@@ -491,11 +493,22 @@ def test_the_preflight_tells_which_modes_deliver_on_each_node(stack: Stack) -> N
             f"{time.monotonic() - started:.1f} s"
         )
         for delivery in found.values():
-            assert delivery["result"] == "CannotDeliver"
-            assert "spec.cdi.enabled: true" in delivery["message"]
-            assert "use delivery mode runtime-class" in delivery["message"]
+            env = next(m for m in delivery["modes"] if m["mode"] == "env")
+            assert "spec.cdi.enabled: true" in env["message"]
+            assert "use delivery mode runtime-class" in env["message"]
             assert results(delivery)["runtime-class"] == "Delivers"
             assert results(delivery)["cdi"] == "CannotDeliver"  # the NRI plugin is off by default
+            assert delivery["result"] == "Delivers"
+        # The configured mode's class scheduled onto the second node only: the first cannot deliver.
+        rc["scheduling"] = {"nodeSelector": {"kubernetes.io/hostname": REAL[1]}}
+        stack.cluster.kubectl("replace", "-f", "-", stdin=json.dumps(rc))
+        off = eventually(
+            lambda: (d := deliveries(stack)) and d[GPUS[REAL[0]][0]]["result"] == "CannotDeliver" and d,
+            what="runtime-class reported unable to deliver on the first node",
+            timeout_s=90,
+        )
+        assert f"kubernetes.io/hostname={REAL[1]}; this node is not" in off[GPUS[REAL[0]][0]]["message"]
+        assert all(off[u]["result"] == "Delivers" for u in GPUS[REAL[1]])
         events = json.loads(
             stack.cluster.kubectl(
                 "get",
@@ -507,9 +520,13 @@ def test_the_preflight_tells_which_modes_deliver_on_each_node(stack: Stack) -> N
                 "json",
             )
         )["items"]
-        warned = {e["involvedObject"]["name"] for e in events}
-        devices = json.loads(stack.cluster.kubectl("get", "gpudevices", "-o", "json"))["items"]
-        assert {d["metadata"]["name"] for d in devices if d["spec"]["uuid"] in H100} <= warned
+        devices = {
+            d["spec"]["uuid"]: d["metadata"]["name"]
+            for d in json.loads(stack.cluster.kubectl("get", "gpudevices", "-o", "json"))["items"]
+        }
+        warned = {e["involvedObject"]["name"]: e["message"] for e in events}
+        assert devices[GPUS[REAL[0]][0]] in warned
+        assert not {devices[u] for u in GPUS[REAL[1]]} & set(warned)
         table = stack.cluster.kubectl("get", "gpudevices")
         assert "DELIVERY" in table.splitlines()[0]
         assert "CannotDeliver" in table
@@ -521,6 +538,9 @@ def test_the_preflight_tells_which_modes_deliver_on_each_node(stack: Stack) -> N
             timeout_s=90,
         )
     finally:
+        rc.pop("scheduling", None)
+        rc["metadata"].pop("resourceVersion", None)
+        stack.cluster.kubectl("replace", "-f", "-", stdin=json.dumps(rc))
         stack.cluster.kubectl("delete", "clusterpolicy", "cluster-policy", "--ignore-not-found")
 
 

@@ -111,12 +111,14 @@ class WebhookSettings:
     "false"."""
     hide_gpus: bool = True
     """Give pods without the annotation NVIDIA_VISIBLE_DEVICES=void (only managed namespaces reach it)."""
-    delivery_mode: DeliveryMode = DeliveryMode.ENV
+    delivery_mode: DeliveryMode = DeliveryMode.RUNTIME_CLASS
     """How the booked GPU reaches the container (see vramshare_webhook.delivery): env (the variable
     alone: NVIDIA's runtime is the nodes' default), runtime-class (also the pod's runtimeClassName:
     GPU Operator 25.10+, whose default runtime is runc), cdi (NVIDIA's NRI plugin reads the devices
     from a pod annotation) or volume-mounts (device-list mounts, for toolkits that refuse the variable
-    from unprivileged containers). A namespace's label vramshare.io/delivery chooses for its pods."""
+    from unprivileged containers). A namespace's label vramshare.io/delivery chooses for its pods.
+    runtime-class by default: it delivers on GPU Operator 25.10+ with its defaults (runc the default
+    runtime, where env gives no GPU) and on every earlier release (each creates the class nvidia)."""
     runtime_class_name: str = "nvidia"
     """The RuntimeClass whose handler is NVIDIA's runtime (delivery mode runtime-class)."""
     device_list_claim: str = ""

@@ -44,7 +44,7 @@ class ControllerSettings:
     total_drift_tolerance_mib: int = 64
     """A reading whose free + used + reserved differs from the card's pinned total by more is rejected."""
     poll_interval_s: float = 5.0
-    delivery_mode: str = "env"
+    delivery_mode: str = "runtime-class"
     """The webhook's delivery mode (the chart passes the webhook's value): the preflight reports
     whether it can deliver on each GPU's node (GpuDevice status.delivery, an event when it cannot)."""
     runtime_class_name: str = "nvidia"

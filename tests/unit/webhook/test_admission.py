@@ -858,8 +858,8 @@ async def test_runtime_class_mode_sets_the_class_and_refuses_another() -> None:
         'here (delivery mode runtime-class); leave runtimeClassName unset or set it to "nvidia"'
     )
     assert len(ledger.objects) == 2  # the refused pod booked nothing
-    # env mode (the default) adds no class.
-    plain = await admitter(ledger).review(request(uid="u4"))
+    # env mode adds no class; runtime-class is the default.
+    plain = await admitter(ledger, delivery_mode=DeliveryMode.ENV).review(request(uid="u4"))
     assert not [o for o in patch_of(plain) if o["path"] == "/spec/runtimeClassName"]
 
 

@@ -364,3 +364,9 @@ async def test_a_namespace_names_its_own_device_list_claim_and_a_bad_one_is_name
 
 def test_the_preflight_judges_exactly_the_webhooks_modes() -> None:
     assert tuple(m.value for m in DeliveryMode) == MODES
+
+
+async def test_the_default_mode_is_runtime_class_as_a_gpu_operator_install_needs() -> None:
+    assert WebhookSettings().delivery_mode is DeliveryMode.RUNTIME_CLASS
+    review = await admitter(MemoryLedger()).review(request())
+    assert {"op": "add", "path": "/spec/runtimeClassName", "value": "nvidia"} in patch_of(review)
