@@ -288,25 +288,43 @@ class Demo:
         )
 
 
+SHORTENED_SHARED = {
+    "VRAMSHARE_SETTLE_S": (
+        "3",
+        "60",
+        "the demo's tasks start and allocate in a second, so DCGM shows their memory at once",
+    ),
+}
+"""Settings both components read, shortened for the demo: (value, product default, why). Given to the
+webhook and the controller alike, so they never judge the same GPU differently."""
+SHORTENED_CONTROLLER = {
+    "VRAMSHARE_POLL_INTERVAL_S": ("1", "5", "the tables refresh every second"),
+    "VRAMSHARE_LIFECYCLE_INTERVAL_S": ("1", "10", "a finished task's booking is released within a second"),
+}
+"""The controller's own settings, shortened for the demo. Everything else runs with the defaults."""
+
+
+def demo_env() -> tuple[dict[str, str], dict[str, str]]:
+    """(the webhook's environment, the controller's) for the demo."""
+    shared = {k: v for k, (v, _, _) in SHORTENED_SHARED.items()}
+    quiet = {"VRAMSHARE_LOG_LEVEL": "warning"}  # the demo prints tables; the logs are in its work folder
+    controller = {k: v for k, (v, _, _) in SHORTENED_CONTROLLER.items()}
+    return {**shared, **quiet}, {**shared, **controller, **quiet}
+
+
+def shortened_note() -> str:
+    rows = {**SHORTENED_SHARED, **SHORTENED_CONTROLLER}
+    return "settings shortened for the demo (everything else is the product's default): " + "; ".join(
+        f"{k}={v} (default {default}: {why})" for k, (v, default, why) in rows.items()
+    )
+
+
 def start_vramshare(cluster: LocalCluster) -> None:
     """Webhook and controller on the local control plane, managing the demo namespace."""
-    interval = "1"
-    port = start_webhook(
-        cluster, name="webhook", env={"VRAMSHARE_SETTLE_S": "3", "VRAMSHARE_LOG_LEVEL": "warning"}
-    )[1]
+    webhook_env, controller_env = demo_env()
+    port = start_webhook(cluster, name="webhook", env=webhook_env)[1]
     cluster.apply_objects([webhook_configuration(cluster, ports={SHARD: port})])
-    start_controller(
-        cluster,
-        name="controller",
-        env={
-            "VRAMSHARE_POLL_INTERVAL_S": interval,
-            "VRAMSHARE_LIFECYCLE_INTERVAL_S": interval,
-            "VRAMSHARE_SETTLE_S": "3",
-            "VRAMSHARE_RESERVATION_TTL_S": "60",
-            "VRAMSHARE_LOG_LEVEL": "warning",
-            "VRAMSHARE_MAX_SAMPLE_AGE_S": "30",
-        },
-    )
+    start_controller(cluster, name="controller", env=controller_env)
     cluster.apply_objects(
         [
             {
@@ -326,6 +344,7 @@ def run_demo(*, fast: bool, keep: bool, show: Callable[[str], None] = print) -> 
     cluster = LocalCluster.start(settings=ClusterSettings())
     try:
         start_vramshare(cluster)
+        show(shortened_note())
         outcome = Demo(cluster, fast=fast, show=show).run()
         show(
             f"\nDone: {len(outcome.admitted)} tasks admitted and placed, {len(outcome.refused)} refused with "
