@@ -255,6 +255,11 @@ def placement_patch(
     # Device-list mounts the pod brought would add GPUs beyond the booked ones (the delivery mode
     # volume-mounts adds its own after these).
     ops += foreign_device_mounts(pod)
+    # vramshare's queue gate on a pod admitted directly is the user's copy: nobody would lift it.
+    gates = pod.get("spec", {}).get("schedulingGates") or []
+    if any(isinstance(g, dict) and g.get("name") == QUEUE_GATE for g in gates):
+        kept = [g for g in gates if not (isinstance(g, dict) and g.get("name") == QUEUE_GATE)]
+        ops.append({"op": "add", "path": pointer("spec", "schedulingGates"), "value": kept})
     return ops + _marking(pod, annotations=ours, reservation=placement.reservation)
 
 

@@ -362,7 +362,9 @@ class InventoryLoop:
                     raise
                 created = await self.kube.get(devices_path(new.meta.name))  # the cache was behind
             device = GpuDevice.from_wire(created)
-            self.state.devices.put(f"/{device.meta.name}", device)
+            self.state.devices.put(
+                f"/{device.meta.name}", device, resource_version=device.meta.resource_version
+            )
             log.info("GPU discovered", uuid=gpu.uuid, node=gpu.node, index=gpu.index, model=gpu.model)
         elif device.spec != spec and judged.state is not DeviceState.MISSING:
             # The same card moved to another index or node label; its UUID is what identifies it.
@@ -370,7 +372,10 @@ class InventoryLoop:
             device = GpuDevice.from_wire(
                 await self.kube.merge_patch(devices_path(device.meta.name), {"spec": changed})
             )
-            self.state.devices.put(f"/{device.meta.name}", device)  # its new generation
+            # Its new generation.
+            self.state.devices.put(
+                f"/{device.meta.name}", device, resource_version=device.meta.resource_version
+            )
         previous = device.status
         checks = self._delivery.get(gpu.node)
         delivery = Delivery.of(self.settings.delivery_mode, checks) if checks else None
@@ -383,7 +388,9 @@ class InventoryLoop:
         written = await self._write_status(device, desired)
         if written is None:
             return
-        self.state.devices.put(f"/{device.meta.name}", written)
+        self.state.devices.put(
+            f"/{device.meta.name}", written, resource_version=written.meta.resource_version
+        )
         if previous is None or previous.state != desired.state:
             log.info(
                 "GPU state changed",

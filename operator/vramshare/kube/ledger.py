@@ -34,6 +34,19 @@ every GPU's R before it hands out a view; a GPU whose token moved only by this p
 needs no wait, since those reservations are put into the view the moment they are decided. The
 reservation stream may be ahead of the device stream; that only adds reservations a decision counts.
 
+That last step rests on this process's own bookings staying in its view, which two interleavings
+broke (issue #30, 1), and `WatchCache` now rules out, each reproduced against the real API server
+(`tests/integration/test_watch_cache_e2e.py`):
+
+- *a relist after 410 Gone* replaced the view with the list, dropping bookings decided and not yet
+  created (and writes newer than the list); a decision made before they came back saw the GPU
+  without them and rode this process's token chain onto it. A relist now keeps this process's
+  decisions not yet created and every item newer than the list.
+- *an event still in flight from before this process's write* (a queue entry's status write, whose
+  MODIFIED arrives after `_commit_group` put the placed version) replaced the placed version with
+  the unplaced one, and the next queue pass planned a second pod onto the GPU. An item is now never
+  replaced by an older version of itself (each item's resourceVersion is kept).
+
 **Refusals** are decided on a consistent read (a quorum LIST of both kinds), never on the cache, so a
 pod is not refused on a view that missed released memory or a new GPU. Concurrent refusals share one
 such read, as long as it started after they arrived.
@@ -207,7 +220,12 @@ class KubeLedger:
         return self.releases.rate_mib_per_s(now=self.clock(), gpu_uuid=gpu_uuid)
 
     async def withdraw_hold(self, namespace: str, name: str) -> None:
-        """Delete a hold whose task was just admitted (a hold that stays lapses on its own)."""
+        """Delete a hold whose task was just admitted, off the answer's path: it runs after the task's
+        commit succeeded, so a slow delete must not make the admission miss its deadline (it would
+        answer Late while the booking stands). A hold that stays lapses on its own."""
+        self._later(self._delete_hold(namespace, name))
+
+    async def _delete_hold(self, namespace: str, name: str) -> None:
         self.on_write("gpureservations", "delete")
         try:
             await self.kube.delete(reservations_path(namespace, name))
@@ -530,12 +548,15 @@ class KubeLedger:
         if len(chain) > 256:  # decisions older than that many own commits conflict and decide again
             del chain[next(iter(chain))]
         self._own_tokens[gpu_uuid] = new_token
-        self.devices.put(f"/{device_name(gpu_uuid)}", GpuDevice.from_wire(bumped))
+        device = GpuDevice.from_wire(bumped)
+        self.devices.put(f"/{device_name(gpu_uuid)}", device, resource_version=device.meta.resource_version)
         for entry, created in made:
             if entry.abandoned and not entry.places:  # a committed placement stands (see `place`)
                 self._later(self._abandon(created, entry.key))
                 continue
-            self.reservations.put(entry.key, created.to_domain())
+            self.reservations.put(
+                entry.key, created.to_domain(), resource_version=created.meta.resource_version
+            )
             self._later(self._label_committed(created))
             entry.done.set_result(created)
 

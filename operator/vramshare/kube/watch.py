@@ -7,6 +7,16 @@ history) lists again. `resource_version` only ever advances from the stream (lis
 bookmarks), so "the cache has every event up to `resource_version`" holds at all times: that is what
 the ledger's safety argument rests on (see vramshare.kube.ledger). Objects are decoded once, when they
 arrive, not at every decision.
+
+This process's own writes go in with `put` before their events arrive, and two rules keep them:
+
+- an item is never replaced by an older version of itself: an event still in flight from before
+  this process's write (a status write's MODIFIED) does not undo the write (each item's
+  resourceVersion is kept; an object's resourceVersions grow with every write, being etcd's
+  revisions);
+- a relist (after 410 Gone) keeps what it cannot know yet: this process's decisions not created yet
+  (`put` without a resourceVersion) and items newer than the list. The watch from the list's
+  resourceVersion then brings their events.
 """
 
 from __future__ import annotations
@@ -58,6 +68,12 @@ class WatchCache(Generic[T]):
         self.name = name or path
         self.watch_timeout_s = watch_timeout_s
         self.items: dict[str, T] = {}
+        self._versions: dict[str, int] = {}
+        """Each item's resourceVersion as applied."""
+        self._own_pending: set[str] = set()
+        """Items this process `put` without a resourceVersion (decided, not created yet)."""
+        self.stale_events = 0
+        """Events that were older than the item already held (and so not applied)."""
         self.resource_version = 0
         """Every event up to this resourceVersion is applied (advanced by the stream only)."""
         self.synced = asyncio.Event()
@@ -103,6 +119,7 @@ class WatchCache(Generic[T]):
 
     async def _list(self) -> None:
         items: dict[str, T] = {}
+        versions: dict[str, int] = {}
         token: str | None = None
         listed_version = "0"
         while True:
@@ -111,14 +128,26 @@ class WatchCache(Generic[T]):
             )
             for obj in page.get("items", []):
                 items[key_of(obj)] = self.decode(obj)
+                versions[key_of(obj)] = version(obj)
             meta = page.get("metadata") or {}
             listed_version = meta.get("resourceVersion") or listed_version
             token = meta.get("continue")
             if not token:
                 break
+        listed = int(listed_version)
+        # What the list cannot know: this process's own decisions not created yet, and items newer
+        # than the list (written, by this process, after the list's snapshot).
+        server = set(items)
+        for key, item in self.items.items():
+            newer = self._versions.get(key, 0) > max(listed, versions.get(key, 0))
+            if (key in self._own_pending and key not in items) or newer:
+                items[key] = item
+                versions[key] = self._versions.get(key, 0)
         gone = set(self.items) - set(items)
         self.items = items
-        self.resource_version = int(listed_version)
+        self._versions = versions
+        self._own_pending = {k for k in self._own_pending if k in items and k not in server}
+        self.resource_version = listed
         for key in gone:
             self._notify(key, None)
         for key, item in items.items():
@@ -145,12 +174,19 @@ class WatchCache(Generic[T]):
                 )
             if kind in ("ADDED", "MODIFIED"):
                 key = key_of(obj)
-                item = self.decode(obj)
-                self.items[key] = item
-                self._notify(key, item)
+                if version(obj) and version(obj) < self._versions.get(key, 0):
+                    self.stale_events += 1  # older than this process's own write of it
+                else:
+                    item = self.decode(obj)
+                    self.items[key] = item
+                    self._versions[key] = version(obj)
+                    self._own_pending.discard(key)
+                    self._notify(key, item)
             elif kind == "DELETED":
                 key = key_of(obj)
                 self.items.pop(key, None)
+                self._versions.pop(key, None)
+                self._own_pending.discard(key)
                 self._notify(key, None)
             self.resource_version = max(self.resource_version, version(obj))
             await self._advance()
@@ -174,12 +210,24 @@ class WatchCache(Generic[T]):
             return False
         return True
 
-    def put(self, key: str, item: T) -> None:
-        """This process's own write, known before its event arrives (the event overwrites it)."""
+    def put(self, key: str, item: T, *, resource_version: int | str | None = None) -> None:
+        """This process's own write, known before its event arrives: `resource_version` is the
+        written object's (the events of older versions then never replace it); without one, a
+        decision not created yet, kept across relists until its object's event or `drop`."""
+        written = int(resource_version or 0)
+        if written and written < self._versions.get(key, 0):
+            return  # the cache already holds a newer version (its event came first)
         self.items[key] = item
+        if written:
+            self._versions[key] = written
+            self._own_pending.discard(key)
+        else:
+            self._own_pending.add(key)
         self._notify(key, item)
 
     def drop(self, key: str) -> None:
+        self._versions.pop(key, None)
+        self._own_pending.discard(key)
         if self.items.pop(key, None) is not None:
             self._notify(key, None)
 

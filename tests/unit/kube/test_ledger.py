@@ -463,3 +463,27 @@ async def test_a_lost_placement_is_not_withdrawn_over_a_change_made_since(
         await ledger.place(entry=entry, gpu=GPU, token=token, live=True)
     assert kube.objects[path]["spec"]["gpuUUID"] == GPU.uuid
     assert kube.objects[path]["metadata"]["labels"][LABEL_COMMITTED] == "true"
+
+
+async def test_withdrawing_a_hold_never_holds_up_the_answer() -> None:
+    """It runs after the task's commit succeeded: a slow delete used to take the admission past its
+    deadline, which then answered Late while the booking stood (issue #30, 6)."""
+    kube = await cluster()
+    ledger = KubeLedger(kube)  # type: ignore[arg-type]
+    await kube.create(reservations_path("jobs"), booking().to_wire())
+    released = asyncio.Event()
+    slow_delete = kube.delete
+
+    async def delete(path: str, **kw: Any) -> Any:
+        await released.wait()
+        return await slow_delete(path, **kw)
+
+    kube.delete = delete  # type: ignore[method-assign]
+    await asyncio.wait_for(ledger.withdraw_hold("jobs", "task-1"), timeout=0.5)
+    assert reservations_path("jobs", "task-1") in kube.objects  # not yet: in the background
+    released.set()
+    for _ in range(50):
+        if reservations_path("jobs", "task-1") not in kube.objects:
+            break
+        await asyncio.sleep(0.01)
+    assert reservations_path("jobs", "task-1") not in kube.objects

@@ -306,3 +306,10 @@ def test_a_node_name_pin_in_match_fields_confines_the_pod() -> None:
         "nodeSelectorTerms"
     ]
     assert term["matchFields"] == [{"key": "metadata.name", "operator": "In", "values": ["gpu-node-a"]}]
+
+
+def test_a_users_copy_of_the_queue_gate_is_removed_on_direct_admission() -> None:
+    gated = pod(schedulingGates=[{"name": "vramshare.io/gpu-memory"}, {"name": "team.example/review"}])
+    placed = apply(gated, placement_patch(gated, PLACE))
+    assert placed["spec"]["schedulingGates"] == [{"name": "team.example/review"}]
+    assert "schedulingGates" not in apply(pod(), placement_patch(pod(), PLACE))["spec"]

@@ -1,0 +1,119 @@
+"""The watch cache against the real API server, where this process's own writes meet events still in
+flight and a relist after 410 Gone (issue #30, 1): an older event never replaces this process's newer
+write, and a relist keeps the decisions not created yet and the writes newer than the list."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+import pytest_asyncio
+
+from vramshare.kube.client import Connection, KubeClient, Obj
+from vramshare.kube.watch import WatchCache, version
+from vramshare_e2e.cluster import ClusterSettings, LocalCluster
+
+pytestmark = pytest.mark.cluster
+
+PATH = "/api/v1/namespaces/default/configmaps"
+
+
+def step(obj: Obj) -> str:
+    return str((obj.get("data") or {}).get("step", ""))
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[LocalCluster]:
+    """A control plane of its own: the relist test restarts its API server."""
+    settings = ClusterSettings(
+        with_kwok=False, with_prometheus=False, with_scheduler=False, with_controller_manager=False
+    )
+    with LocalCluster.start(settings=settings) as local:
+        yield local
+
+
+@pytest_asyncio.fixture(loop_scope="function")
+async def kube(cluster: LocalCluster) -> AsyncIterator[KubeClient]:
+    async with KubeClient(Connection.load(kubeconfig=str(cluster.kubeconfig))) as client:
+        yield client
+
+
+async def written(kube: KubeClient, name: str, steps: int) -> list[Obj]:
+    """A ConfigMap created, then patched, `steps` versions in all."""
+    made = [await kube.create(PATH, {"metadata": {"name": name}, "data": {"step": "1"}})]
+    for n in range(2, steps + 1):
+        made.append(await kube.merge_patch(f"{PATH}/{name}", {"data": {"step": str(n)}}))
+    return made
+
+
+@contextlib.asynccontextmanager
+async def running(cache: WatchCache[str]) -> AsyncIterator[None]:
+    task = asyncio.create_task(cache.run())
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+async def test_an_event_older_than_this_processs_own_write_does_not_replace_it(kube: KubeClient) -> None:
+    name = f"stale-{uuid.uuid4().hex[:8]}"
+    v1, v2, v3 = await written(kube, name, 3)
+    key = f"default/{name}"
+    cache: WatchCache[str] = WatchCache(kube, PATH, decode=step)
+    # The cache had seen v1 when this process wrote v3 (and put it): v2's and v3's events are still
+    # to come, as for a status write in flight while the ledger commits a placement.
+    cache.items[key] = "1"
+    cache.resource_version = version(v1)
+    cache.synced.set()
+    cache.put(key, "3", resource_version=v3["metadata"]["resourceVersion"])
+    seen: list[str | None] = []
+    cache.on_change(lambda k, item: seen.append(item) if k == key else None)
+    async with running(cache):
+        assert await cache.wait_for(version(v3), timeout_s=10)
+    assert version(v2) < version(v3)
+    assert cache.items[key] == "3"
+    assert "2" not in seen, seen  # before: v2's event put the older version back for a moment
+    assert cache.stale_events == 1
+    await kube.delete(f"{PATH}/{name}")
+
+
+async def test_a_relist_after_410_keeps_own_decisions_and_newer_writes(
+    kube: KubeClient, cluster: LocalCluster
+) -> None:
+    """A relist after 410 Gone (`watch.py:_list` replaces the items) kept only what the list
+    returned: a booking this process had decided but not created yet left its view, and a decision
+    made then saw the GPU without it (issue #30, 1a)."""
+    listed_name, newer_name = f"listed-{uuid.uuid4().hex[:8]}", f"newer-{uuid.uuid4().hex[:8]}"
+    await written(kube, listed_name, 1)
+    cache: WatchCache[str] = WatchCache(kube, PATH, decode=step)
+    async with running(cache):
+        await asyncio.wait_for(cache.synced.wait(), 10)
+    # This process decided a booking it has not created yet (put without a resourceVersion).
+    cache.put("default/decided-not-created", "pending")
+    # The API server restarts: its watch cache starts at the current resourceVersion, so the stream
+    # resuming from an older one gets 410 Gone (deterministically; compacting etcd does not do it, as
+    # the API server's watch cache still serves that history), and the cache lists again.
+    (newer,) = await written(kube, newer_name, 1)
+    cluster.stop_component("kube-apiserver")
+    cluster.start_component("kube-apiserver")
+    async with running(cache):
+        await asyncio.wait_for(cache.synced.wait(), 10)  # set again by the relist
+        for _ in range(100):
+            if cache.relists:
+                break
+            await asyncio.sleep(0.05)
+        assert await cache.wait_for(version(newer), timeout_s=10)
+    assert cache.relists == 1
+    assert cache.items["default/decided-not-created"] == "pending"  # before: dropped by the relist
+    assert cache.items[f"default/{listed_name}"] == "1"
+    assert cache.items[f"default/{newer_name}"] == "1"
+    # Its object's event ends the pending state: once created, it is the API server's like any other.
+    cache.drop("default/decided-not-created")
+    assert "default/decided-not-created" not in cache.items
+    for n in (listed_name, newer_name):
+        await kube.delete(f"{PATH}/{n}")
