@@ -664,6 +664,21 @@ def test_volume_mounts_mode_delivers_on_a_hardened_toolkit_that_refuses_the_vari
         m.mount_path for m in mounted.spec.containers[0].volume_mounts or [] if m.name == volume.name
     ] == [f"/var/run/nvidia-container-devices/{booked}"]
     assert list(fake_gpus_seen(stack, "hardened-mounts", VM).values()) == [booked]
+    pair = stack.core.create_namespaced_pod(
+        VM,
+        task_pod(
+            "hardened-pair",
+            mib=20_000,
+            script=SHOW_FAKE_GPUS,
+            runtime_class=hardened,
+            annotations={"gpu-count": "2"},
+        ),
+    )
+    booked_pair = pair.metadata.annotations[ANNOTATION_GPU_UUID].split(",")
+    assert sorted(
+        m.mount_path for m in pair.spec.containers[0].volume_mounts or [] if "devices" in m.mount_path
+    ) == sorted(f"/var/run/nvidia-container-devices/{u}" for u in booked_pair)
+    assert sorted(fake_gpus_seen(stack, "hardened-pair", VM).values()) == sorted(booked_pair)
     # A device-list mount of its own: all of the node's GPUs where unmanaged, none where managed.
     grab = {
         "device_list": "/var/run/nvidia-container-devices/all",

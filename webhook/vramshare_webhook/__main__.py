@@ -94,6 +94,7 @@ async def serve(settings: WebhookSettings) -> None:
             settings=settings,
             ledger=ledger,
             metrics=metrics,
+            server_clock=kube.server_clock.now,
             namespace_labels=lambda namespace: namespaces.items.get(f"/{namespace}", {}),
             nodes=lambda: nodes.items.values(),
         )

@@ -209,6 +209,7 @@ class Admitter:
         ledger: Ledger,
         metrics: WebhookMetrics,
         clock: Callable[[], float] = time.time,
+        server_clock: Callable[[], float] | None = None,
         namespace_labels: Callable[[str], Mapping[str, str]] = lambda namespace: {},
         nodes: Callable[[], Iterable[NodeView]] = tuple,
     ) -> None:
@@ -216,6 +217,9 @@ class Admitter:
         self.ledger = ledger
         self.metrics = metrics
         self.clock = clock
+        self.server_clock = server_clock or clock
+        """The API server's clock (KubeClient.server_clock): the reinvocation window is measured
+        from a booking's creationTimestamp, which the API server stamped."""
         self.namespace_labels = namespace_labels
         """The labels of a namespace (from a watch cache): its queue mode."""
         self.nodes = nodes
@@ -551,7 +555,7 @@ class Admitter:
                 facts=facts,
                 mib=mib,
                 user=request.username,
-                now=self.clock(),
+                now=self.server_clock(),
                 window_s=self.settings.reinvocation_window_s,
             )
         )

@@ -115,7 +115,14 @@ async def run(settings: ControllerSettings) -> None:
                     await lead(
                         state,
                         inventory,
-                        ReservationReconciler(kube=kube, settings=settings, metrics=metrics, state=state),
+                        # Bookings' ages on the API server's clock, which stamped their creation.
+                        ReservationReconciler(
+                            kube=kube,
+                            settings=settings,
+                            metrics=metrics,
+                            state=state,
+                            clock=kube.server_clock.now,
+                        ),
                         QueueLoop(kube=kube, ledger=ledger, state=state, settings=settings, metrics=metrics),
                         elector,
                         pools=pools,

@@ -20,6 +20,8 @@ import aiohttp
 from kubernetes import config as kube_config
 from kubernetes.client import Configuration
 
+from vramshare.kube.server_clock import ServerClock
+
 Obj = dict[str, Any]
 
 SERVICE_ACCOUNT_TOKEN = Path("/var/run/secrets/kubernetes.io/serviceaccount/token")
@@ -102,6 +104,9 @@ class KubeClient:
         self._session: aiohttp.ClientSession | None = None
         self._token = connection.token
         self._token_read_at = time.monotonic()
+        self.server_clock = ServerClock()
+        """The API server's clock, estimated from its answers' Date header: ages of objects the API
+        server stamped (creationTimestamp) are measured on it."""
 
     async def __aenter__(self) -> Self:
         connector = aiohttp.TCPConnector(ssl=self.connection.ssl_context, limit=64)
@@ -141,9 +146,11 @@ class KubeClient:
         if params:
             url += "?" + urlencode(params)
         data = None if body is None else json.dumps(body, separators=(",", ":"))
+        sent = time.time()
         async with self._session.request(
             method, url, data=data, headers=self._headers(content_type if data else None)
         ) as resp:
+            self.server_clock.observe(resp.headers.get("Date"), sent=sent, received=time.time())
             text = await resp.text()
             try:
                 payload: Obj = json.loads(text) if text else {}

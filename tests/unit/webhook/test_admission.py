@@ -270,6 +270,26 @@ async def test_copied_annotations_get_no_placement_they_did_not_pay_for(
     assert why  # the reason is logged as placement_not_honoured
 
 
+async def test_the_reinvocation_window_runs_on_the_api_servers_clock() -> None:
+    """A webhook whose clock is 40 s ahead (window 30 s) refused every reinvocation as too old, so
+    pods in namespaces with a sidecar injector booked twice (issue #30, 3)."""
+    ledger = MemoryLedger()
+    a = Admitter(
+        settings=WebhookSettings(accounting=Accounting(safety_margin_mib=0)),
+        ledger=ledger,
+        metrics=WebhookMetrics(),
+        clock=lambda: NOW + 40,
+        server_clock=lambda: NOW,  # the clock that stamped the booking's creationTimestamp
+    )
+    original = request()
+    first = await a.review(original)
+    again = await a.review(applied(original, first))
+    assert len(ledger.objects) == 1
+    assert {op["path"]: op["value"] for op in patch_of(again)}["/metadata/annotations"] == {
+        op["path"]: op["value"] for op in patch_of(first)
+    }["/metadata/annotations"]
+
+
 async def test_the_whole_answer_is_bounded_by_the_deadline() -> None:
     ledger = MemoryLedger()
     ledger.hang_commit = True
