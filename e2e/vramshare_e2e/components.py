@@ -199,3 +199,15 @@ def metric(port: int, name: str) -> float | None:
     except OSError:
         return None
     return None
+
+
+def bare_booking(
+    *, name: str, namespace: str, pod: str, node: str, uuid: str, index: int, mib: int
+) -> dict[str, Any]:
+    """A GpuReservation as the webhook creates one, for a pod that does not exist (yet)."""
+    return {
+        "apiVersion": "vramshare.io/v1alpha1",
+        "kind": "GpuReservation",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {"podName": pod, "memoryMiB": mib, "nodeName": node, "gpuUUID": uuid, "gpuIndex": index},
+    }

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from vramshare_e2e.cluster import LocalCluster, apt_install, eventually
-from vramshare_e2e.components import start_controller
+from vramshare_e2e.components import bare_booking, start_controller
 
 pytestmark = pytest.mark.cluster
 
@@ -51,18 +51,15 @@ def phase(stack: LocalCluster, name: str) -> str | None:
 
 def test_the_controllers_clock_ahead_does_not_expire_a_booking_early(stack: LocalCluster) -> None:
     node, gpu = stack.settings.fleet.all_gpus()[0]
-    booking = {
-        "apiVersion": "vramshare.io/v1alpha1",
-        "kind": "GpuReservation",
-        "metadata": {"name": "fresh", "namespace": "jobs"},
-        "spec": {
-            "podName": "appears-soon",
-            "memoryMiB": 2048,
-            "nodeName": node.name,
-            "gpuUUID": gpu.uuid,
-            "gpuIndex": gpu.index,
-        },
-    }
+    booking = bare_booking(
+        name="fresh",
+        namespace="jobs",
+        pod="appears-soon",
+        node=node.name,
+        uuid=gpu.uuid,
+        index=gpu.index,
+        mib=2048,
+    )
     stack.kubectl("create", "-f", "-", stdin=json.dumps(booking))
     created = time.monotonic()
     eventually(lambda: phase(stack, "fresh") == "Reserved", what="the booking Reserved", timeout_s=30)

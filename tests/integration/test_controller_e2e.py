@@ -20,7 +20,13 @@ from kubernetes import client, config
 
 from vramshare.kube.resources import ANNOTATION_GPU_UUID, ANNOTATION_RESERVATION, device_name
 from vramshare_e2e.cluster import RUN_DURATION_ANNOTATION, LocalCluster, eventually, tools_bin_dir
-from vramshare_e2e.components import metric, start_controller, start_webhook, webhook_configuration
+from vramshare_e2e.components import (
+    bare_booking,
+    metric,
+    start_controller,
+    start_webhook,
+    webhook_configuration,
+)
 from vramshare_e2e.plugin import build as build_plugin
 
 pytestmark = pytest.mark.cluster
@@ -172,18 +178,15 @@ def test_deleting_the_pod_deletes_its_reservation(stack: LocalCluster, core: cli
 
 def test_orphan_reservation_expires_after_the_ttl(stack: LocalCluster) -> None:
     _, gpu = stack.settings.fleet.all_gpus()[1]
-    orphan = {
-        "apiVersion": "vramshare.io/v1alpha1",
-        "kind": "GpuReservation",
-        "metadata": {"name": "orphan", "namespace": "jobs"},
-        "spec": {
-            "podName": "never-created",
-            "memoryMiB": 2048,
-            "nodeName": "gpu-node-a",
-            "gpuUUID": gpu.uuid,
-            "gpuIndex": gpu.index,
-        },
-    }
+    orphan = bare_booking(
+        name="orphan",
+        namespace="jobs",
+        pod="never-created",
+        node="gpu-node-a",
+        uuid=gpu.uuid,
+        index=gpu.index,
+        mib=2048,
+    )
     stack.kubectl("create", "-f", "-", stdin=json.dumps(orphan))
     eventually(lambda: phase_of(stack, "orphan") == "Reserved", what="Reserved shown", timeout_s=10)
     started = time.monotonic()
