@@ -308,13 +308,9 @@ class InventoryLoop:
         log.info(
             "GPU forgotten", uuid=gpu.uuid, node=gpu.node, missing_for_s=round(now - judged.last_seen_at)
         )
-        await post_event(
-            self.kube,
-            namespace="default",
-            involved=Involved(
-                api_version=API_VERSION, kind="GpuDevice", name=device.meta.name, uid=device.meta.uid
-            ),
-            event=Event(
+        await self._device_event(
+            device,
+            Event(
                 type="Normal",
                 reason="GpuDeviceRemoved",
                 message=f"GPU {gpu.label} was not reported for {now - judged.last_seen_at:.0f} s (more than "
@@ -322,7 +318,6 @@ class InventoryLoop:
                 "deleted. If the card comes back it is discovered again.",
             ),
             now=now,
-            reporter=self.settings.identity,
         )
 
     async def _write_status(self, device: GpuDevice, desired: DeviceStatus) -> GpuDevice | None:
@@ -418,15 +413,8 @@ class InventoryLoop:
                 overused_mib=judged.overused_mib,
                 pods=pods,
             )
-            await post_event(
-                self.kube,
-                namespace="default",
-                involved=Involved(
-                    api_version=API_VERSION, kind="GpuDevice", name=device.meta.name, uid=device.meta.uid
-                ),
-                event=Event(type="Warning", reason="MemoryOverused", message=message),
-                now=now,
-                reporter=self.settings.identity,
+            await self._device_event(
+                device, Event(type="Warning", reason="MemoryOverused", message=message), now=now
             )
         elif judged.overused_mib == 0 and was_over:
             log.info("GPU memory back within reservations", uuid=gpu.uuid, node=gpu.node)
@@ -451,18 +439,26 @@ class InventoryLoop:
             mode=after.mode,
             why=after.message,
         )
+        await self._device_event(
+            device,
+            Event(
+                type="Warning",
+                reason="DeliveryModeCannotDeliver",
+                message=f"delivery mode {after.mode} cannot give pods GPU {device.spec.uuid} on node "
+                f"{device.spec.node_name}: {after.message}",
+            ),
+            now=now,
+        )
+
+    async def _device_event(self, device: GpuDevice, event: Event, *, now: float) -> None:
+        """An event about a GpuDevice (cluster-scoped, so recorded in the default namespace)."""
         await post_event(
             self.kube,
             namespace="default",
             involved=Involved(
                 api_version=API_VERSION, kind="GpuDevice", name=device.meta.name, uid=device.meta.uid
             ),
-            event=Event(
-                type="Warning",
-                reason="DeliveryModeCannotDeliver",
-                message=f"delivery mode {after.mode} cannot give pods GPU {device.spec.uuid} on node "
-                f"{device.spec.node_name}: {after.message}",
-            ),
+            event=event,
             now=now,
             reporter=self.settings.identity,
         )
