@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from vramshare.kube.resources import API_VERSION, device_name, format_time_precise
+from vramshare.kube.resources import API_VERSION, MEMORY_RESOURCE, device_name, format_time_precise
 from vramshare_e2e.cluster import Component, LocalCluster, eventually, free_port, http_ok
 from vramshare_e2e.fleet import Fleet
 
@@ -115,7 +115,8 @@ def webhook_configuration(
 def seed_inventory(
     cluster: LocalCluster, fleet: Fleet | None = None, *, sampled_at: float | None = None
 ) -> None:
-    """Write one GpuDevice per fake GPU, as the controller would, from the fleet's current figures."""
+    """Write one GpuDevice per fake GPU, as the controller would, from the fleet's current figures, and
+    advertise each node's GPU memory (the sum of its GPUs') as the controller does."""
     fleet = fleet or cluster.exporter.fleet()
     when = format_time_precise(sampled_at or time.time())
     devices = []
@@ -148,6 +149,12 @@ def seed_inventory(
             "--type=merge",
             "-p",
             json.dumps(status),
+        )
+    for node in fleet.nodes:
+        mib = str(sum(g.total_mib for g in node.gpus))
+        capacity = {"status": {"capacity": {MEMORY_RESOURCE: mib}, "allocatable": {MEMORY_RESOURCE: mib}}}
+        cluster.kubectl(
+            "patch", "node", node.name, "--subresource=status", "--type=merge", "-p", json.dumps(capacity)
         )
 
 

@@ -9,6 +9,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import structlog
 from aiohttp import web
@@ -85,8 +86,21 @@ async def serve(settings: WebhookSettings) -> None:
 
         def ready() -> bool:
             # Ready once the watch caches hold the inventory and the live ledger.
-            synced = ledger.synced and namespaces.synced.is_set() and nodes.synced.is_set()
+            synced = ledger.synced and all(c.synced.is_set() for c in (namespaces, nodes, quotas))
             return synced and (secret is None or not secret.manage or secret.injected)
+
+        # ResourceQuotas: a namespace's GPU-memory quota (only those on the memory resource are kept).
+        quota_key = f"requests.{settings.memory_resource}"
+        quotas: WatchCache[dict[str, Any]] = WatchCache(
+            kube,
+            "/api/v1/resourcequotas",
+            decode=lambda o: o if quota_key in ((o.get("spec") or {}).get("hard") or {}) else {},
+            name="resourcequotas",
+        )
+
+        def quotas_of(namespace: str) -> list[dict[str, Any]]:
+            prefix = f"{namespace}/"
+            return [q for k, q in quotas.items.items() if q and k.startswith(prefix)]
 
         # Nodes: a GPU on a node the pod could never be scheduled onto is passed over.
         nodes: WatchCache[NodeView] = WatchCache(kube, "/api/v1/nodes", decode=node_view, name="nodes")
@@ -97,6 +111,7 @@ async def serve(settings: WebhookSettings) -> None:
             server_clock=kube.server_clock.now,
             namespace_labels=lambda namespace: namespaces.items.get(f"/{namespace}", {}),
             nodes=lambda: nodes.items.values(),
+            resource_quotas=quotas_of,
         )
         stopping = asyncio.Event()
         for signum in (signal.SIGTERM, signal.SIGINT):
@@ -121,6 +136,7 @@ async def serve(settings: WebhookSettings) -> None:
             asyncio.create_task(ledger.run()),
             asyncio.create_task(namespaces.run()),
             asyncio.create_task(nodes.run()),
+            asyncio.create_task(quotas.run()),
             asyncio.create_task(announce_sync()),
         ]
         if secret is None:

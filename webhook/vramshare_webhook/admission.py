@@ -37,6 +37,16 @@ from vramshare.domain import (
 )
 from vramshare.domain.guardrails import BUDGET_MIB, TF_GROWTH, guardrail_env
 from vramshare.domain.scheduling import NodeView, schedulable_nodes
+from vramshare.domain.tenancy import (
+    Holdings,
+    Limit,
+    Quota,
+    RefusalMemory,
+    holdings_of,
+    over_limit,
+    pending_of_user,
+    why_no_hold,
+)
 from vramshare.kube.ledger import CommitConflictError, Snapshot
 from vramshare.kube.objects import GpuReservation
 from vramshare.kube.pods import (
@@ -46,7 +56,7 @@ from vramshare.kube.pods import (
     MPS_LABEL,
     QUEUE_GATE,
 )
-from vramshare.kube.resources import ANNOTATION_REINVOKED
+from vramshare.kube.resources import ANNOTATION_REINVOKED, MEMORY_RESOURCE
 from vramshare_webhook import review as rv
 from vramshare_webhook.decision import (
     Admit,
@@ -86,6 +96,7 @@ from vramshare_webhook.pod import (
     strip_patch,
 )
 from vramshare_webhook.settings import EXECUTOR_LABEL, RefusalStyle, WebhookSettings
+from vramshare_webhook.tenancy import containers_requesting, memory_resource_patch, quotas_in
 
 log = structlog.get_logger("vramshare.webhook")
 
@@ -103,6 +114,8 @@ class Ledger(Protocol):
     def decided(self, reservation: GpuReservation) -> None: ...
     def undecided(self, reservation: GpuReservation) -> None: ...
     async def withdraw_hold(self, namespace: str, name: str) -> None: ...
+    async def pod_exists(self, namespace: str, name: str) -> bool: ...
+    async def active_holds(self) -> list[GpuReservation]: ...
     def release_rate(self, gpu_uuid: str | None = None) -> float: ...
 
 
@@ -155,18 +168,6 @@ class _Conflicted:
     gpu_uuid: str
 
 
-def _holds_booking(snapshot: Snapshot, namespace: str, pod: str) -> bool:
-    """A pod of that name exists: a booking of it is Bound (or Lost) to it."""
-    if snapshot.index is not None:
-        return snapshot.index.holds_pod(namespace, pod)
-    return any(
-        r.namespace == namespace
-        and r.pod == pod
-        and r.phase in (ReservationPhase.BOUND, ReservationPhase.LOST)
-        for r in snapshot.reservations
-    )
-
-
 def _pending_in(snapshot: Snapshot, namespace: str) -> int:
     """Bookings in `namespace` whose pod has not appeared yet."""
     if snapshot.index is not None:
@@ -181,6 +182,26 @@ def _holds_of(snapshot: Snapshot, task_key: str) -> list[Reservation]:
     if snapshot.index is not None:
         return snapshot.index.holds_for(task_key)
     return [r for r in snapshot.reservations if r.is_active and r.held_for == task_key]
+
+
+def _holdings(snapshot: Snapshot, namespace: str) -> Holdings:
+    """What `namespace` holds (see `vramshare.domain.tenancy`)."""
+    if snapshot.index is not None:
+        return snapshot.index.holdings(namespace)
+    return holdings_of(snapshot.reservations, namespace)
+
+
+def _pending_of_user(snapshot: Snapshot, user: str) -> int:
+    if snapshot.index is not None:
+        return snapshot.index.pending_of_user(user)
+    return pending_of_user(snapshot.reservations, user)
+
+
+_LIMIT_REASONS = {
+    Limit.QUOTA: Reason.QUOTA,
+    Limit.PENDING_NAMESPACE: Reason.PENDING_MIB_LIMIT,
+    Limit.PENDING_USER: Reason.PENDING_MIB_LIMIT,
+}
 
 
 def _held_gpus(snapshot: Snapshot) -> set[str]:
@@ -212,6 +233,7 @@ class Admitter:
         server_clock: Callable[[], float] | None = None,
         namespace_labels: Callable[[str], Mapping[str, str]] = lambda namespace: {},
         nodes: Callable[[], Iterable[NodeView]] = tuple,
+        resource_quotas: Callable[[str], Iterable[dict[str, Any]]] = lambda namespace: (),
     ) -> None:
         self.settings = settings
         self.ledger = ledger
@@ -224,6 +246,10 @@ class Admitter:
         """The labels of a namespace (from a watch cache): its queue mode."""
         self.nodes = nodes
         """The Node objects (from a watch cache); none known: only hostname pinning is honoured."""
+        self.resource_quotas = resource_quotas
+        """A namespace's ResourceQuota objects (from a watch cache): its GPU-memory quota."""
+        self.refused_tasks = RefusalMemory(window_s=settings.hold_limit_s)
+        """Tasks refused lately: a hold goes only to one refused again, i.e. seen retrying."""
 
     async def review(self, request: rv.Request) -> rv.Review:
         started = time.perf_counter()
@@ -290,6 +316,15 @@ class Admitter:
             namespace=request.namespace,
         )
         if facts.memory_request is None:
+            resource = self.settings.memory_resource
+            requesting = containers_requesting(pod, resource) if resource else []
+            if requesting:
+                return Invalid(
+                    reason=Reason.MEMORY_RESOURCE_WITHOUT_REQUEST,
+                    message=f"{', '.join(requesting)} request resource {resource}: only vramshare sets it, "
+                    f'on pods it admits (those with annotation "{self.settings.annotation}"); remove it and '
+                    f'ask for GPU memory with the annotation "{self.settings.annotation}"',
+                )
             # Only pods vramshare admits carry vramshare.io/* keys: others lose them, with a warning.
             marks = claimed_marks(pod)
             warnings: tuple[str, ...] = (
@@ -317,11 +352,33 @@ class Admitter:
         decision = await self._gpu_decision(request, facts, can_queue=delivery.can_queue)
         if isinstance(decision, Admit):
             return replace(
-                decision, patch=[*decision.patch, *delivery.patch(pod, decision.placement.gpu_uuids)]
+                decision,
+                patch=[
+                    *decision.patch,
+                    *delivery.patch(pod, decision.placement.gpu_uuids),
+                    *self._memory_resource(pod, decision.details),
+                ],
             )
         if isinstance(decision, Queue):  # only modes that can deliver when the gate lifts queue
-            return replace(decision, patch=[*decision.patch, *delivery.patch(pod, ())])
+            return replace(
+                decision,
+                patch=[
+                    *decision.patch,
+                    *delivery.patch(pod, ()),
+                    *self._memory_resource(pod, decision.details),
+                ],
+            )
         return decision
+
+    def _memory_resource(self, pod: dict[str, Any], details: Mapping[str, Any]) -> list[dict[str, Any]]:
+        """The pod's request of the memory resource (see `vramshare_webhook.tenancy`): its MiB, all GPUs
+        together, which ResourceQuota, the scheduler and Kueue count."""
+        resource = self.settings.memory_resource
+        if not resource:
+            return []
+        return memory_resource_patch(
+            pod, resource=resource, mib=int(details["mib"]) * int(details.get("gpus", 1))
+        )
 
     def _delivery(self, namespace: str, pod: dict[str, Any]) -> Delivery | Invalid:
         """How this namespace's GPU pods get their GPU (see vramshare_webhook.delivery), or why this
@@ -589,6 +646,13 @@ class Admitter:
             model=model or None,
             count=count,
         )
+        if request.name and await self.ledger.pod_exists(request.namespace, request.name):
+            # The create will fail with AlreadyExists: a booking for it would only hold memory until
+            # the TTL ends it, and a loop of such creates could keep every large GPU booked.
+            return NameTaken(
+                message=f'pods "{request.name}" already exists in namespace {request.namespace}; vramshare '
+                "books nothing for a pod that cannot be created"
+            )
         # Stop retrying conflicts a little before the answer's own deadline, to say why.
         budget = self.settings.decision_deadline_s
         deadline = time.monotonic() + max(budget / 2, budget - 1.0)
@@ -647,14 +711,12 @@ class Admitter:
                 f"appears or expires. {self._hint(request)}",
                 details=details,
             )
-        if request.name and _holds_booking(snapshot, request.namespace, request.name):
-            # Confirm on a consistent view: the pod may have ended a moment ago.
+        over = self._over_limit(request, facts, alloc=alloc, snapshot=snapshot)
+        if over is not None:  # confirmed on a consistent view: bookings may have been bound meanwhile
             snapshot = await self.ledger.snapshot(fresh=True)
-            if _holds_booking(snapshot, request.namespace, request.name):
-                return NameTaken(
-                    message=f'pods "{request.name}" already exists in namespace {request.namespace} and '
-                    "holds a GPU reservation; vramshare books nothing for a pod that cannot be created"
-                )
+            over = self._over_limit(request, facts, alloc=alloc, snapshot=snapshot)
+            if over is not None:
+                return replace(over, details={**details, **over.details})
 
         def decide(view: Snapshot) -> Choice | Refusal:
             # Memory held for this task's next try (an earlier refusal of it) counts as its own.
@@ -725,10 +787,42 @@ class Admitter:
             self.metrics.commit_seconds.observe(time.perf_counter() - committing)
         if conflicted is not None:
             return _Conflicted(gpu_uuid=conflicted)
+        self.refused_tasks.forget(facts.task_key)
         for hold in _holds_of(snapshot, facts.task_key):  # its task is in: the held memory is its own now
             await self.ledger.withdraw_hold(hold.namespace, hold.name)
             admitted["hold_used"] = hold.gpu_uuid
         return Admit(placement=placement, patch=patch, reason=Reason.FITS, details=admitted)
+
+    def _over_limit(
+        self, request: rv.Request, facts: PodFacts, *, alloc: AllocationRequest, snapshot: Snapshot
+    ) -> Refuse | None:
+        """The namespace's quota and the bounds on pending memory (see `vramshare.domain.tenancy`), as
+        they stand on `snapshot`: a refusal naming the limit, or None."""
+        namespace = request.namespace
+        holdings = _holdings(snapshot, namespace)
+        over = over_limit(
+            namespace=namespace,
+            user=request.username,
+            mib=alloc.mib * alloc.count,
+            holdings=holdings,
+            user_pending_mib=_pending_of_user(snapshot, request.username),
+            quotas=self._quotas(namespace),
+            settings=self.settings.tenancy,
+            resource=self.settings.memory_resource or MEMORY_RESOURCE,
+            # Memory held for this task's next try is its own: its admission takes the hold's place.
+            credit_mib=sum(h.mib for h in _holds_of(snapshot, facts.task_key)),
+        )
+        if over is None:
+            return None
+        return Refuse(
+            reason=_LIMIT_REASONS[over.limit],
+            message=f"{over.message}. {self._hint(request)}",
+            details={"limit": over.limit.value, "namespace_holds_mib": holdings.total_mib},
+        )
+
+    def _quotas(self, namespace: str) -> list[Quota]:
+        resource = self.settings.memory_resource
+        return quotas_in(self.resource_quotas(namespace), resource=resource) if resource else []
 
     async def _commit_all(self, bookings: list[GpuReservation], snapshot: Snapshot) -> str | None:
         """Commit every booking of one pod, each on its own GPU's token, all or nothing: when one loses
@@ -789,6 +883,14 @@ class Admitter:
             note = f" GPU {held.gpu_uuid} keeps the memory that frees on it for this task's next try."
         elif not request.dry_run and refusal.request.count == 1:  # one GPU cannot be held for a set
             held_gpus = _held_gpus(snapshot)
+            # Only a task seen retrying gets a hold, within its namespace's share of them and its quota.
+            retrying = self.refused_tasks.refused(facts.task_key, now=self.clock())
+            no_hold = why_no_hold(
+                mib=refusal.request.mib,
+                holdings=_holdings(snapshot, request.namespace),
+                quotas=self._quotas(request.namespace),
+                settings=self.settings.tenancy,
+            )
             gpu = (
                 gpu_to_hold(
                     refusal,
@@ -796,7 +898,7 @@ class Admitter:
                     settings=self.settings.allocation,
                     fairness=self.settings.fairness,
                 )
-                if len(held_gpus) < self.settings.max_holds
+                if retrying and no_hold is None and len(held_gpus) < self.settings.max_holds
                 else None
             )
             if gpu is not None and await self._hold(
@@ -829,7 +931,13 @@ class Admitter:
     async def _hold(
         self, request: rv.Request, facts: PodFacts, *, gpu: Gpu, mib: int, snapshot: Snapshot
     ) -> bool:
-        """Book `gpu` for the refused task's next try; False when another commit got there first."""
+        """Book `gpu` for the refused task's next try; False when another commit got there first, or
+        other holds made meanwhile took the namespace's or the fleet's last one.
+
+        Holds on different GPUs commit on different tokens, so two refusals at once could both pass the
+        count on their views. Each therefore counts again on a consistent read after its commit and
+        withdraws its own when there are more than allowed: both may withdraw (no hold, until a later
+        refusal), never both stay."""
         hold = GpuReservation.new(
             name=f"hold-{reservation_name(request.object)}",
             namespace=request.namespace,
@@ -841,8 +949,15 @@ class Admitter:
             held_for=facts.task_key,
         )
         try:
-            await self.ledger.commit(reservation=hold, token=snapshot.tokens[gpu.uuid], live=snapshot.live)
+            created = await self.ledger.commit(
+                reservation=hold, token=snapshot.tokens[gpu.uuid], live=snapshot.live
+            )
         except CommitConflictError:
+            return False
+        holds = await self.ledger.active_holds()
+        in_namespace = [h for h in holds if h.namespace == request.namespace]
+        if len(in_namespace) > self.settings.max_holds_per_namespace or len(holds) > self.settings.max_holds:
+            await self.ledger.withdraw(created)
             return False
         return True
 

@@ -55,6 +55,9 @@ class Reason(StrEnum):
     PENDING_LIMIT = "pending-limit"
     INVALID_DELIVERY = "invalid-delivery"
     RUNTIME_CLASS_CONFLICT = "runtime-class-conflict"
+    QUOTA = "quota"
+    PENDING_MIB_LIMIT = "pending-mib-limit"
+    MEMORY_RESOURCE_WITHOUT_REQUEST = "memory-resource-without-request"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -133,8 +136,8 @@ class Late:
 
 @dataclass(frozen=True, kw_only=True)
 class NameTaken:
-    """A pod of that name exists and holds a booking: the create would fail with AlreadyExists, and
-    booking for it would only hold memory until the booking expires."""
+    """A pod of that name exists: the create would fail with AlreadyExists, and booking for it would
+    only hold memory until the booking expires."""
 
     message: str
 

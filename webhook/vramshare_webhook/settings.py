@@ -22,7 +22,12 @@ from vramshare.domain import (
     FairnessSettings,
     Policy,
 )
-from vramshare.kube.resources import is_object_name
+from vramshare.domain.tenancy import (
+    DEFAULT_PENDING_MIB_PER_NAMESPACE,
+    DEFAULT_PENDING_MIB_PER_USER,
+    TenancySettings,
+)
+from vramshare.kube.resources import MEMORY_RESOURCE, is_extended_resource_name, is_object_name
 from vramshare.settings import check_accounting, from_env, invalid
 from vramshare_webhook.delivery import DeliveryMode
 
@@ -66,6 +71,18 @@ class WebhookSettings:
     """At most this many bookings per namespace not yet bound to a pod (0: no limit). A real pod appears
     milliseconds after its admission and is bound within a second or so, even in a burst; a flood of
     forged or failing admissions is bounded by this, each such booking for the reservation TTL."""
+    max_pending_mib_per_namespace: int = DEFAULT_PENDING_MIB_PER_NAMESPACE
+    """MiB of bookings per namespace whose pods have not appeared yet (0: no bound): what pods that
+    never appear (refused after admission, a taken name) can withhold from the fleet, each for the
+    reservation TTL. A real pod appears milliseconds after its admission; see "Teams sharing a fleet"."""
+    max_pending_mib_per_user: int = DEFAULT_PENDING_MIB_PER_USER
+    """The same per user (the creator of the pod as the API server authenticated it); 0: no bound."""
+    max_holds_per_namespace: int = 1
+    """Refuse mode's holds per namespace at most (each counted against its quota); 0: none."""
+    memory_resource: str = MEMORY_RESOURCE
+    """The extended resource each admitted pod requests (its MiB, all GPUs together), which the
+    controller advertises in each GPU node's capacity: a ResourceQuota on requests.<it> is the
+    namespace's GPU-memory quota. Empty: pods get no such request and no quota applies."""
     max_gpus_per_pod: int = DEFAULT_MAX_GPUS
     """The most GPUs one pod may ask for with the annotation gpu-count (all on one node)."""
     policy: Policy = Policy.SPREAD
@@ -168,6 +185,14 @@ class WebhookSettings:
         return FairnessSettings(hold_min_mib=self.hold_min_mib, hold_limit_s=self.hold_limit_s)
 
     @property
+    def tenancy(self) -> TenancySettings:
+        return TenancySettings(
+            max_pending_mib_per_namespace=self.max_pending_mib_per_namespace,
+            max_pending_mib_per_user=self.max_pending_mib_per_user,
+            max_holds_per_namespace=self.max_holds_per_namespace,
+        )
+
+    @property
     def default_refusal(self) -> RefusalStyle:
         return RefusalStyle.RETRY_AFTER if self.denial_code == 429 else RefusalStyle.FORBIDDEN
 
@@ -203,6 +228,16 @@ class WebhookSettings:
             raise invalid("hold_limit_s", self.hold_limit_s, "a positive number of seconds")
         if self.max_pending_per_namespace < 0:
             raise invalid("max_pending_per_namespace", self.max_pending_per_namespace, "0 (no limit) or more")
+        for name in ("max_pending_mib_per_namespace", "max_pending_mib_per_user", "max_holds_per_namespace"):
+            if getattr(self, name) < 0:
+                raise invalid(name, getattr(self, name), "0 (no bound) or more")
+        if self.memory_resource and not is_extended_resource_name(self.memory_resource):
+            raise invalid(
+                "memory_resource",
+                self.memory_resource,
+                "empty or an extended resource name such as vramshare.io/gpu-mem-mib (a domain outside "
+                "kubernetes.io, a slash, a name)",
+            )
         if not is_object_name(self.runtime_class_name):
             raise invalid("runtime_class_name", self.runtime_class_name, "a RuntimeClass name")
         if self.device_list_claim and not is_object_name(self.device_list_claim):

@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 
 import structlog
 
+from vramshare.controller.capacity import NodeCapacity
 from vramshare.controller.delivery import DeliveryPreflight
 from vramshare.controller.metrics import ControllerMetrics
 from vramshare.controller.settings import ControllerSettings
@@ -158,6 +159,7 @@ class InventoryLoop:
         self._causes_logged: set[Cause] = set()
         self.outage: str | None = None
         self.preflight = DeliveryPreflight(kube=kube, settings=settings, state=state)
+        self.capacity = NodeCapacity(kube=kube, state=state, resource=settings.memory_resource)
         self._delivery: dict[str, tuple[Check, ...]] = {}
         """This poll's preflight, by node."""
 
@@ -287,6 +289,8 @@ class InventoryLoop:
             await self._write_device(judged, recorded, reservations=reservations, now=now)
         self.presence = GpuPresence.of(statuses)
         self.statuses = statuses
+        forgotten = {j.gpu.uuid for j in gone}
+        await self.capacity.advertise(j.gpu for j in statuses if j.gpu.uuid not in forgotten)
         self.polled.set()
         self._export(statuses, reservations, now)
         return statuses

@@ -15,7 +15,7 @@ from vramshare.domain import Accounting, AllocationSettings, Policy, QueueSettin
 from vramshare.domain.delivery_check import MODES
 from vramshare.domain.inventory import InventorySettings
 from vramshare.domain.pools import PoolBasis, PoolRule
-from vramshare.kube.resources import is_object_name
+from vramshare.kube.resources import MEMORY_RESOURCE, is_extended_resource_name, is_object_name
 from vramshare.prometheus import PrometheusAccess
 from vramshare.settings import check_accounting, from_env, invalid
 
@@ -49,6 +49,9 @@ class ControllerSettings:
     whether it can deliver on each GPU's node (GpuDevice status.delivery, an event when it cannot)."""
     runtime_class_name: str = "nvidia"
     """The webhook's runtime class (delivery mode runtime-class)."""
+    memory_resource: str = MEMORY_RESOURCE
+    """The webhook's memory resource (the chart passes the webhook's value): advertised in each GPU
+    node's capacity as the sum of its GPUs' MiB. Empty: not advertised."""
     delivery_check_interval_s: float = 30.0
     """How often the preflight rereads the RuntimeClasses and the GPU Operator's ClusterPolicy."""
     accounting: Accounting = field(default_factory=Accounting)
@@ -198,6 +201,12 @@ class ControllerSettings:
             raise invalid("delivery_mode", self.delivery_mode, ", ".join(MODES))
         if not is_object_name(self.runtime_class_name):
             raise invalid("runtime_class_name", self.runtime_class_name, "a RuntimeClass name")
+        if self.memory_resource and not is_extended_resource_name(self.memory_resource):
+            raise invalid(
+                "memory_resource",
+                self.memory_resource,
+                "empty or an extended resource name such as vramshare.io/gpu-mem-mib",
+            )
         if self.airflow_url and not self.airflow_url.startswith(("http://", "https://")):
             raise invalid(
                 "airflow_url", self.airflow_url, "an http:// or https:// URL of Airflow's API server"

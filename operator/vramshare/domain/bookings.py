@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from vramshare.domain.models import Gpu, Reservation, ReservationPhase
+from vramshare.domain.tenancy import Holding, Holdings, holding_of
 
 
 @dataclass(slots=True)
@@ -36,6 +37,12 @@ class LedgerIndex:
         """Namespace -> bookings still Reserved: made at admission, their pod not seen yet."""
         self._holds: dict[str, dict[str, Reservation]] = {}
         """Held-for key -> the holds kept for it, by reservation key."""
+        self._open: dict[str, Reservation] = {}
+        """Every reservation not ended, queue entries without a GPU included (for tenancy)."""
+        self._holdings: dict[str, Holdings] = {}
+        """Namespace -> what it holds (see `vramshare.domain.tenancy`)."""
+        self._user_pending: dict[str, int] = {}
+        """User -> MiB of their bookings whose pod has not appeared."""
 
     def __len__(self) -> int:
         return len(self._members)
@@ -43,7 +50,11 @@ class LedgerIndex:
     def put(self, key: str, reservation: Reservation | None) -> None:
         """Record `reservation` under `key` (None, or an ended one: it leaves the index)."""
         self._remove(key)
-        if reservation is None or not reservation.is_active:
+        if reservation is None or not reservation.phase.is_open:
+            return
+        self._open[key] = reservation
+        self._account(reservation, sign=1)
+        if not reservation.is_active:
             return
         self._members[key] = reservation
         sums = self._sums.setdefault(reservation.gpu_uuid, _GpuSums())
@@ -60,7 +71,25 @@ class LedgerIndex:
         if reservation.held_for:
             self._holds.setdefault(reservation.held_for, {})[key] = reservation
 
+    def _account(self, reservation: Reservation, *, sign: int) -> None:
+        namespace = reservation.namespace
+        held = self._holdings.get(namespace, Holdings()).with_(reservation, sign=sign)
+        if held == Holdings():
+            self._holdings.pop(namespace, None)
+        else:
+            self._holdings[namespace] = held
+        if holding_of(reservation) is Holding.PENDING:
+            left = self._user_pending.get(reservation.user, 0) + sign * reservation.mib
+            if left:
+                self._user_pending[reservation.user] = left
+            else:
+                self._user_pending.pop(reservation.user, None)
+
     def _remove(self, key: str) -> None:
+        opened = self._open.pop(key, None)
+        if opened is None:
+            return
+        self._account(opened, sign=-1)
         old = self._members.pop(key, None)
         if old is None:
             return
@@ -114,6 +143,14 @@ class LedgerIndex:
     def pending_in(self, namespace: str) -> int:
         """How many bookings in `namespace` wait for their pod (phase Reserved)."""
         return self._pending.get(namespace, 0)
+
+    def holdings(self, namespace: str) -> Holdings:
+        """What `namespace` holds: bound, pending, held and queued MiB."""
+        return self._holdings.get(namespace, Holdings())
+
+    def pending_of_user(self, user: str) -> int:
+        """MiB of `user`'s bookings whose pod has not appeared."""
+        return self._user_pending.get(user, 0)
 
     def get(self, key: str) -> Reservation | None:
         return self._members.get(key)

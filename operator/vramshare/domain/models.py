@@ -123,6 +123,11 @@ class Reservation:
     finished_at: float | None = None
     held_for: str = ""
     """For a hold (phase Held): the key of the task it is kept for (see `vramshare.domain.fairness`)."""
+    user: str = ""
+    """Who created the pod it was admitted for (the admission request's user)."""
+    queue_entry: bool = False
+    """Made for a pod that waited in the queue: its pod exists (behind a gate) from the start, so it is
+    never pending (see `vramshare.domain.tenancy`)."""
 
     @property
     def is_active(self) -> bool:

@@ -111,6 +111,9 @@ class NodeView:
     runtime_handlers: tuple[str, ...] | None = None
     """The container runtime's handlers its kubelet reports (status.runtimeHandlers; "" is the
     default); None where it reports none (kubelets before 1.30). Read by the delivery preflight."""
+    extended: Mapping[str, str] = field(default_factory=dict)
+    """Its allocatable extended resources (names with a domain), as quantities: the controller keeps
+    vramshare's GPU-memory resource there."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -81,9 +81,11 @@ from vramshare.kube.resources import (
     LABEL_ACTIVE,
     LABEL_COMMITTED,
     LABEL_GPU,
+    LABEL_HELD_FOR,
     LABEL_RESERVATION,
     device_name,
     devices_path,
+    pod_path,
     reservations_path,
 )
 from vramshare.kube.watch import WatchCache
@@ -362,6 +364,22 @@ class KubeLedger:
                     raise
             current = await self.get_reservation(reservation.namespace, reservation.name)
         return False
+
+    async def pod_exists(self, namespace: str, name: str) -> bool:
+        """Whether a pod of that name exists now (a GET: exact, and cheap beside a pod cache)."""
+        try:
+            await self.kube.get(pod_path(namespace, name))
+        except ApiError as exc:
+            if exc.not_found:
+                return False
+            raise
+        return True
+
+    async def active_holds(self) -> list[GpuReservation]:
+        """Every hold in the fleet not ended, on a consistent read."""
+        listed = await list_all(self.kube, reservations_path(), label_selector=f"{ACTIVE},{LABEL_HELD_FOR}")
+        holds = [GpuReservation.from_wire(o) for o in listed.get("items", [])]
+        return [h for h in holds if h.phase.is_active]
 
     async def pod_carries(self, namespace: str, reservation: str) -> bool:
         """Whether any pod already carries the reservation's label (a consistent read)."""

@@ -23,6 +23,7 @@ from vramshare.kube.resources import (
     LABEL_COMMITTED,
     LABEL_GPU,
     LABEL_HELD_FOR,
+    LABEL_QUEUED,
     LABEL_SET,
     device_name,
     format_time,
@@ -271,7 +272,11 @@ class GpuReservation:
             meta=Meta(
                 name=name,
                 namespace=namespace,
-                labels={LABEL_ACTIVE: "true", "app.kubernetes.io/managed-by": "vramshare"},
+                labels={
+                    LABEL_ACTIVE: "true",
+                    LABEL_QUEUED: "true",
+                    "app.kubernetes.io/managed-by": "vramshare",
+                },
             ),
             spec=ReservationSpec(
                 pod_name=pod, memory_mib=mib, admission_uid=admission_uid, admitted_user=user
@@ -334,6 +339,11 @@ class GpuReservation:
         return self.meta.labels.get(LABEL_HELD_FOR, "")
 
     @property
+    def queue_entry(self) -> bool:
+        """Made for a pod that waits in the queue (entries made before the label: by their status)."""
+        return self.meta.labels.get(LABEL_QUEUED) == "true" or self.status.phase is ReservationPhase.QUEUED
+
+    @property
     def labelled_active(self) -> bool:
         """False once the controller labelled it ended; unlabelled (made by hand) counts as active."""
         return self.meta.labels.get(LABEL_ACTIVE) != "false"
@@ -352,6 +362,8 @@ class GpuReservation:
             pod_running_since=self.status.pod_running_since,
             finished_at=self.status.finished_at,
             held_for=self.held_for,
+            user=self.spec.admitted_user,
+            queue_entry=self.queue_entry,
         )
 
 

@@ -206,4 +206,5 @@ def node_view(node: Obj) -> NodeView:
             if isinstance(status.get("runtimeHandlers"), list)
             else None
         ),
+        extended={str(k): str(v) for k, v in (status.get("allocatable") or {}).items() if "/" in str(k)},
     )

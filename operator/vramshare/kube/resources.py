@@ -36,6 +36,12 @@ LABEL_SET = "vramshare.io/reservation-set"
 `vramshare.io/reservation` label carries, which is the first one's name."""
 LABEL_GPU = "vramshare.io/gpu"
 """On reservations: the GpuDevice name, so the ledger of one GPU can be listed by label."""
+LABEL_QUEUED = "vramshare.io/queued"
+"""On queue entries: "true". Their pods exist (behind the gate) from the start, so once placed they
+are not pending bookings (see `vramshare.domain.tenancy`)."""
+MEMORY_RESOURCE = "vramshare.io/gpu-mem-mib"
+"""The extended resource vramshare requests for each pod it admits (its MiB, all GPUs together) and
+advertises in each GPU node's capacity: ResourceQuota, the scheduler and Kueue count GPU memory by it."""
 ANNOTATION_REINVOKED = "vramshare.io/reinvoked-by"
 """On reservations: the request UID of the one reinvocation that took the booking up."""
 ANNOTATION_LEDGER = "vramshare.io/last-reservation"
@@ -54,6 +60,20 @@ def is_object_name(value: object) -> bool:
     return isinstance(value, str) and 0 < len(value) <= 253 and bool(_DNS_SUBDOMAIN.match(value))
 
 
+_RESOURCE_NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
+
+
+def is_extended_resource_name(value: object) -> bool:
+    """Whether `value` can name an extended resource: `<domain>/<name>`, the domain a DNS subdomain
+    outside kubernetes.io, the name at most 63 characters, and no `requests.` prefix."""
+    if not isinstance(value, str) or value.count("/") != 1 or value.startswith("requests."):
+        return False
+    domain, name = value.split("/")
+    if domain == "kubernetes.io" or domain.endswith(".kubernetes.io"):
+        return False
+    return is_object_name(domain) and bool(_RESOURCE_NAME.match(name))
+
+
 def _segment(value: str) -> str:
     """One path segment, quoted: whatever a name holds, it cannot reach another path or a query (nor
     climb one: "." and ".." are dot segments that URL libraries resolve, so their dots are encoded)."""
@@ -68,6 +88,10 @@ def reservations_path(namespace: str | None = None, name: str | None = None) -> 
         f"{base}/namespaces/{_segment(namespace)}/{RESERVATIONS}" if namespace else f"{base}/{RESERVATIONS}"
     )
     return f"{path}/{_segment(name)}" if name else path
+
+
+def pod_path(namespace: str, name: str) -> str:
+    return f"/api/v1/namespaces/{_segment(namespace)}/pods/{_segment(name)}"
 
 
 def devices_path(name: str | None = None) -> str:

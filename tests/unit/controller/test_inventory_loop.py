@@ -62,7 +62,9 @@ async def loop(source: Source, now: list[float]) -> AsyncIterator[tuple[FakeKube
 
 
 def status_writes(kube: FakeKube) -> int:
-    return sum(op == "merge_patch" and path.endswith("/status") for op, path in kube.calls)
+    return sum(
+        op == "merge_patch" and path.endswith("/status") and "/nodes/" not in path for op, path in kube.calls
+    )
 
 
 async def test_a_new_gpu_gets_a_device_with_figures_and_conditions() -> None:

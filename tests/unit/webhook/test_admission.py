@@ -40,6 +40,8 @@ class MemoryLedger:
         self.withdrawn: list[str] = []
         self.in_view: set[str] = set()
         """Bookings put into the view ahead of their commits (a set's)."""
+        self.pods: set[str] = set()
+        """Names of pods that exist."""
 
     async def snapshot(self, *, fresh: bool = False) -> Snapshot:
         self.fresh_reads += fresh
@@ -66,6 +68,12 @@ class MemoryLedger:
 
     async def pod_carries(self, namespace: str, reservation: str) -> bool:
         return reservation in self.carried
+
+    async def pod_exists(self, namespace: str, name: str) -> bool:
+        return name in self.pods
+
+    async def active_holds(self) -> list[GpuReservation]:
+        return [o for o in self.objects if o.held_for and o.phase.is_active]
 
     async def commit(self, *, reservation: GpuReservation, token: str, live: bool = False) -> GpuReservation:
         if self.hang_commit:
@@ -302,18 +310,14 @@ async def test_the_whole_answer_is_bounded_by_the_deadline() -> None:
     assert ledger.objects == []
 
 
-async def test_a_name_that_holds_a_booking_is_refused_as_already_existing() -> None:
+async def test_a_name_already_taken_is_refused_as_already_existing_and_books_nothing() -> None:
     ledger = MemoryLedger()
-    a = admitter(ledger)
-    await a.review(request())
-    (booked,) = ledger.objects
-    ledger.objects = [replace(booked, status=replace(booked.status, phase=ReservationPhase.BOUND))]
-    again = await a.review(request(uid="u-dup"))
+    ledger.pods.add("task")  # a plain pod of that name: it holds no booking
+    again = await admitter(ledger).review(request(uid="u-dup"))
     status = again["response"]["status"]
     assert (status["code"], status["reason"]) == (409, "AlreadyExists")
     assert 'pods "task" already exists' in status["message"]
-    assert len(ledger.objects) == 1
-    assert ledger.fresh_reads == 1  # confirmed on a consistent view
+    assert ledger.objects == []
 
 
 @pytest.mark.parametrize(("mib", "problem"), [("abc", "it is not a number"), ("0", "it is zero")])
@@ -459,11 +463,14 @@ def airflow(task: str, try_number: int = 1) -> dict[str, str]:
     return {"dag_id": "train", "task_id": task, "run_id": "manual-1", "try_number": str(try_number)}
 
 
-async def test_a_refused_large_task_gets_a_hold_that_only_its_next_try_may_use() -> None:
+async def test_a_refused_large_task_seen_retrying_gets_a_hold_that_only_its_next_try_may_use() -> None:
     ledger = MemoryLedger()
     ledger.gpus = (gpu("GPU-a", total=16_384, used=10_000), gpu("GPU-b", index=1, total=8_192, used=8_000))
     webhook = admitter(ledger)
-    refused = await webhook.review(request("12000", labels=airflow("big")))
+    first = await webhook.review(request("12000", labels=airflow("big")))
+    assert first["response"]["status"]["code"] == 403
+    assert ledger.objects == []  # asked once: it may never come back, so nothing is held for it
+    refused = await webhook.review(request("12000", uid="u1b", labels=airflow("big")))
     assert refused["response"]["status"]["code"] == 403
     (hold,) = ledger.objects
     assert hold.phase is ReservationPhase.HELD
@@ -476,8 +483,9 @@ async def test_a_refused_large_task_gets_a_hold_that_only_its_next_try_may_use()
         "GPU GPU-a (node-a, index 0) now keeps the memory that frees on it for this task"
         in (refused["response"]["status"]["message"])
     )
-    # Another large task is refused without a hold: one at a time (max_holds 1).
+    # Another large task, retrying too, is refused without a hold: one at a time (max_holds 1).
     await webhook.review(request("12000", uid="u2", labels=airflow("other-big")))
+    await webhook.review(request("12000", uid="u2b", labels=airflow("other-big")))
     assert len(ledger.objects) == 1
     # Memory frees on GPU-a: a small task is still kept off it, the held memory is not its own.
     ledger.gpus = (gpu("GPU-a", total=16_384, used=2_000), ledger.gpus[1])
