@@ -335,6 +335,16 @@ def test_fifty_queued_pods_over_a_controller_failover_are_placed_once_without_ov
         monitor.join(timeout=5)
         stack.start_component(holder)
     assert not problems, problems
+    # Each booking is released once the controller sees its pod finished (a moment after the last one).
+    eventually(
+        lambda: all(
+            phase(r) == "Released"
+            for r in reservations(stack).values()
+            if r["spec"]["podName"].startswith("many-")
+        ),
+        what="every booking released",
+        timeout_s=20,
+    )
     final = {
         r["spec"]["podName"]: r
         for r in reservations(stack).values()
@@ -426,10 +436,13 @@ def airflow_task(task: str, try_number: int) -> dict[str, str]:
 
 
 def holds(stack: LocalCluster) -> list[dict[str, Any]]:
+    """Refuse mode's holds (not the queue head's)."""
     return [
         r
         for r in reservations(stack).values()
-        if "vramshare.io/held-for" in r["metadata"]["labels"] and phase(r) in (None, "Held")
+        if "vramshare.io/held-for" in r["metadata"]["labels"]
+        and "vramshare.io/queued" not in r["metadata"]["labels"]
+        and phase(r) in (None, "Held")
     ]
 
 
@@ -440,7 +453,13 @@ def test_refuse_mode_holds_memory_for_a_refused_large_task_until_its_next_try(
     fill_every_gpu(stack, used=True)
     try:
         eventually(lambda: refused_now(core), what="GPUs seen full", timeout_s=30)
-        with pytest.raises(client.ApiException) as refused:
+        with pytest.raises(client.ApiException) as first:
+            core.create_namespaced_pod(
+                NS, gpu_pod("big-try1", 20_000, queue="false", labels=airflow_task("big", 1))
+            )
+        assert first.value.status == 403
+        assert holds(stack) == []  # asked once: it may never come back, so nothing is held yet
+        with pytest.raises(client.ApiException) as refused:  # the executor's retry of the same try
             core.create_namespaced_pod(
                 NS, gpu_pod("big-try1", 20_000, queue="false", labels=airflow_task("big", 1))
             )
@@ -476,10 +495,11 @@ def test_a_hold_whose_task_never_comes_back_lapses(stack: LocalCluster, core: cl
     fill_every_gpu(stack, used=True)
     try:
         eventually(lambda: refused_now(core), what="GPUs seen full", timeout_s=30)
-        with pytest.raises(client.ApiException):
-            core.create_namespaced_pod(
-                NS, gpu_pod("gone-try1", 20_000, queue="false", labels=airflow_task("gone", 1))
-            )
+        for _ in range(2):  # seen retrying once, then never again
+            with pytest.raises(client.ApiException):
+                core.create_namespaced_pod(
+                    NS, gpu_pod("gone-try1", 20_000, queue="false", labels=airflow_task("gone", 1))
+                )
         (hold,) = holds(stack)
     finally:
         fill_every_gpu(stack, used=False)
@@ -492,3 +512,77 @@ def test_a_hold_whose_task_never_comes_back_lapses(stack: LocalCluster, core: cl
     )
     print(f"\nhold lapsed {time.monotonic() - started:.0f} s after it was seen (limit 12 s)")
     assert lapsed["status"]["reason"] == "HoldLapsed"
+
+
+def queue_holds(stack: LocalCluster) -> list[dict[str, Any]]:
+    """The queue head's hold, as the controller keeps it in the ledger."""
+    return [
+        r
+        for r in reservations(stack).values()
+        if r["metadata"]["labels"].get("vramshare.io/queued") == "true"
+        and "vramshare.io/held-for" in r["metadata"]["labels"]
+        and r["metadata"]["labels"].get("vramshare.io/active") != "false"
+    ]
+
+
+def test_the_heads_hold_is_a_booking_so_a_stream_of_new_pods_cannot_take_its_memory(
+    stack: LocalCluster, core: client.CoreV1Api
+) -> None:
+    caps = capacity(stack)
+    for i, room in enumerate(sorted(caps.values(), reverse=True)):
+        core.create_namespaced_pod(NS, gpu_pod(f"full-{i}", room, run="300s"))
+    core.create_namespaced_pod(NS, gpu_pod("head", 30_000))
+    assert QUEUE_GATE in gates(core, "head")
+    (hold,) = eventually(lambda: queue_holds(stack), what="the head's hold in the ledger", timeout_s=20)
+    held_gpu = hold["spec"]["gpuUUID"]
+    assert caps[held_gpu] >= 30_000
+    assert hold["spec"]["memoryMiB"] == 30_000
+    # A stream of small pods admitted directly (refuse mode), from before the held GPU frees up; then
+    # its pod ends. Without the hold in the ledger the stream would take that GPU (the only one with
+    # room) and the head would wait for good.
+    made: list[tuple[str, str]] = []
+    stop = threading.Event()
+
+    def stream() -> None:
+        i = 0
+        while not stop.wait(0.5):
+            i += 1
+            try:
+                pod = core.create_namespaced_pod(NS, gpu_pod(f"small-{i}", 3000, queue="false", run="40s"))
+            except client.ApiException:
+                continue
+            made.append((pod.metadata.name, pod.metadata.annotations[ANNOTATION_GPU_UUID]))
+
+    streaming = threading.Thread(target=stream, daemon=True)
+    streaming.start()
+    time.sleep(2)
+    (blocker,) = [
+        r["spec"]["podName"]
+        for r in reservations(stack).values()
+        if r["spec"]["podName"].startswith("full-") and r["spec"].get("gpuUUID") == held_gpu
+    ]
+    core.delete_namespaced_pod(blocker, NS)
+    started = time.monotonic()
+    try:
+        placed = eventually(
+            lambda: not gates(core, "head") and core.read_namespaced_pod("head", NS),
+            what="the head placed despite the stream",
+            timeout_s=25,
+        )
+        waited = time.monotonic() - started
+    finally:
+        stop.set()
+        streaming.join()
+    on_held = [name for name, uuid in made if uuid == held_gpu]
+    print(
+        f"\nhead placed {waited:.1f} s after its held GPU freed; {len(made)} small pods of the stream admitted "
+        f"({len(on_held)} on the held GPU, within its room beyond the head's 30000 MiB); hold limit 12 s"
+    )
+    assert placed.metadata.annotations[ANNOTATION_GPU_UUID] == held_gpu
+    assert on_held  # the stream did use the held GPU's room beyond the head's ...
+    assert len(on_held) * 3000 <= caps[held_gpu] - 30_000  # ... and no more
+    eventually(
+        lambda: queue_holds(stack) == [], what="the hold withdrawn once the head is placed", timeout_s=15
+    )
+    core.delete_collection_namespaced_pod(NS)
+    eventually(lambda: not core.list_namespaced_pod(NS).items, what="pods gone", timeout_s=30)

@@ -20,6 +20,7 @@ from vramshare.domain.scheduling import NodeView
 from vramshare.kube.client import Connection, KubeClient
 from vramshare.kube.ledger import KubeLedger
 from vramshare.kube.pods import node_view
+from vramshare.kube.resources import LABEL_RESERVATION
 from vramshare.kube.watch import WatchCache
 from vramshare.settings import SettingsError
 from vramshare_webhook.admission import Admitter
@@ -86,7 +87,7 @@ async def serve(settings: WebhookSettings) -> None:
 
         def ready() -> bool:
             # Ready once the watch caches hold the inventory and the live ledger.
-            synced = ledger.synced and all(c.synced.is_set() for c in (namespaces, nodes, quotas))
+            synced = ledger.synced and all(c.synced.is_set() for c in (namespaces, nodes, quotas, gpu_pods))
             return synced and (secret is None or not secret.manage or secret.injected)
 
         # ResourceQuotas: a namespace's GPU-memory quota (only those on the memory resource are kept).
@@ -102,6 +103,15 @@ async def serve(settings: WebhookSettings) -> None:
             prefix = f"{namespace}/"
             return [q for k, q in quotas.items.items() if q and k.startswith(prefix)]
 
+        # GPU pods (those carrying vramshare's label): a booking whose pod appeared is not pending.
+        gpu_pods: WatchCache[tuple[str, str]] = WatchCache(
+            kube,
+            "/api/v1/pods",
+            decode=lambda o: (o["metadata"]["namespace"], o["metadata"]["labels"][LABEL_RESERVATION]),
+            label_selector=LABEL_RESERVATION,
+            name="pods",
+        )
+
         # Nodes: a GPU on a node the pod could never be scheduled onto is passed over.
         nodes: WatchCache[NodeView] = WatchCache(kube, "/api/v1/nodes", decode=node_view, name="nodes")
         admitter = Admitter(
@@ -112,6 +122,7 @@ async def serve(settings: WebhookSettings) -> None:
             namespace_labels=lambda namespace: namespaces.items.get(f"/{namespace}", {}),
             nodes=lambda: nodes.items.values(),
             resource_quotas=quotas_of,
+            gpu_pods=lambda: gpu_pods.items.values(),
         )
         stopping = asyncio.Event()
         for signum in (signal.SIGTERM, signal.SIGINT):
@@ -137,6 +148,7 @@ async def serve(settings: WebhookSettings) -> None:
             asyncio.create_task(namespaces.run()),
             asyncio.create_task(nodes.run()),
             asyncio.create_task(quotas.run()),
+            asyncio.create_task(gpu_pods.run()),
             asyncio.create_task(announce_sync()),
         ]
         if secret is None:

@@ -38,14 +38,18 @@ from vramshare.domain import (
 from vramshare.domain.guardrails import BUDGET_MIB, TF_GROWTH, guardrail_env
 from vramshare.domain.scheduling import NodeView, schedulable_nodes
 from vramshare.domain.tenancy import (
+    Holding,
     Holdings,
     Limit,
+    OverLimit,
     Quota,
     RefusalMemory,
+    holding_of,
     holdings_of,
     over_limit,
     pending_of_user,
     why_no_hold,
+    with_pods_seen,
 )
 from vramshare.kube.ledger import CommitConflictError, Snapshot
 from vramshare.kube.objects import GpuReservation
@@ -116,6 +120,7 @@ class Ledger(Protocol):
     async def withdraw_hold(self, namespace: str, name: str) -> None: ...
     async def pod_exists(self, namespace: str, name: str) -> bool: ...
     async def active_holds(self) -> list[GpuReservation]: ...
+    async def pod_labels(self, namespace: str) -> set[str]: ...
     def release_rate(self, gpu_uuid: str | None = None) -> float: ...
 
 
@@ -191,6 +196,12 @@ def _holdings(snapshot: Snapshot, namespace: str) -> Holdings:
     return holdings_of(snapshot.reservations, namespace)
 
 
+def _pending_bookings(snapshot: Snapshot) -> list[Reservation]:
+    if snapshot.index is not None:
+        return snapshot.index.pending_bookings()
+    return [r for r in snapshot.reservations if holding_of(r) is Holding.PENDING]
+
+
 def _pending_of_user(snapshot: Snapshot, user: str) -> int:
     if snapshot.index is not None:
         return snapshot.index.pending_of_user(user)
@@ -234,6 +245,7 @@ class Admitter:
         namespace_labels: Callable[[str], Mapping[str, str]] = lambda namespace: {},
         nodes: Callable[[], Iterable[NodeView]] = tuple,
         resource_quotas: Callable[[str], Iterable[dict[str, Any]]] = lambda namespace: (),
+        gpu_pods: Callable[[], Iterable[tuple[str, str]]] = tuple,
     ) -> None:
         self.settings = settings
         self.ledger = ledger
@@ -247,6 +259,9 @@ class Admitter:
         self.nodes = nodes
         """The Node objects (from a watch cache); none known: only hostname pinning is honoured."""
         self.resource_quotas = resource_quotas
+        self.gpu_pods = gpu_pods
+        """(namespace, reservation label) of every pod carrying vramshare's label (from a watch cache):
+        a booking whose pod appeared is not pending, though the controller may not have bound it."""
         """A namespace's ResourceQuota objects (from a watch cache): its GPU-memory quota."""
         self.refused_tasks = RefusalMemory(window_s=settings.hold_limit_s)
         """Tasks refused lately: a hold goes only to one refused again, i.e. seen retrying."""
@@ -712,9 +727,19 @@ class Admitter:
                 details=details,
             )
         over = self._over_limit(request, facts, alloc=alloc, snapshot=snapshot)
-        if over is not None:  # confirmed on a consistent view: bookings may have been bound meanwhile
+        if over is not None:
+            # Confirmed on a consistent view: bookings may have been bound meanwhile, and pods created
+            # a moment ago may not have reached this replica's watch yet.
             snapshot = await self.ledger.snapshot(fresh=True)
-            over = self._over_limit(request, facts, alloc=alloc, snapshot=snapshot)
+            pods: set[tuple[str, str]] | None = None
+            if over.reason is not Reason.QUOTA:
+                concerned = {request.namespace} | {
+                    r.namespace for r in _pending_bookings(snapshot) if r.user == request.username
+                }
+                pods = {
+                    (ns, label) for ns in sorted(concerned)[:8] for label in await self.ledger.pod_labels(ns)
+                }
+            over = self._over_limit(request, facts, alloc=alloc, snapshot=snapshot, pods=pods)
             if over is not None:
                 return replace(over, details={**details, **over.details})
 
@@ -794,24 +819,48 @@ class Admitter:
         return Admit(placement=placement, patch=patch, reason=Reason.FITS, details=admitted)
 
     def _over_limit(
-        self, request: rv.Request, facts: PodFacts, *, alloc: AllocationRequest, snapshot: Snapshot
+        self,
+        request: rv.Request,
+        facts: PodFacts,
+        *,
+        alloc: AllocationRequest,
+        snapshot: Snapshot,
+        pods: set[tuple[str, str]] | None = None,
     ) -> Refuse | None:
         """The namespace's quota and the bounds on pending memory (see `vramshare.domain.tenancy`), as
-        they stand on `snapshot`: a refusal naming the limit, or None."""
+        they stand on `snapshot`: a refusal naming the limit, or None. A booking whose pod has
+        appeared (in `pods`, (namespace, reservation label) of the GPU pods; else this replica's pod
+        watch) is not pending, though the controller may not have bound it yet."""
         namespace = request.namespace
         holdings = _holdings(snapshot, namespace)
-        over = over_limit(
-            namespace=namespace,
-            user=request.username,
-            mib=alloc.mib * alloc.count,
-            holdings=holdings,
-            user_pending_mib=_pending_of_user(snapshot, request.username),
-            quotas=self._quotas(namespace),
-            settings=self.settings.tenancy,
-            resource=self.settings.memory_resource or MEMORY_RESOURCE,
-            # Memory held for this task's next try is its own: its admission takes the hold's place.
-            credit_mib=sum(h.mib for h in _holds_of(snapshot, facts.task_key)),
-        )
+        user_pending = _pending_of_user(snapshot, request.username)
+
+        def verdict() -> OverLimit | None:
+            return over_limit(
+                namespace=namespace,
+                user=request.username,
+                mib=alloc.mib * alloc.count,
+                holdings=holdings,
+                user_pending_mib=user_pending,
+                quotas=self._quotas(namespace),
+                settings=self.settings.tenancy,
+                resource=self.settings.memory_resource or MEMORY_RESOURCE,
+                # Memory held for this task's next try is its own: its admission takes the hold's place.
+                credit_mib=sum(h.mib for h in _holds_of(snapshot, facts.task_key)),
+            )
+
+        over = verdict()
+        if over is not None and over.limit is not Limit.QUOTA:
+            # Only when a pending bound is hit: which of those bookings' pods exist already.
+            seen = pods if pods is not None else set(self.gpu_pods())
+            holdings, user_pending = with_pods_seen(
+                holdings,
+                _pending_bookings(snapshot),
+                namespace=namespace,
+                user=request.username,
+                appeared=lambda r: (r.namespace, r.pod_label or r.name) in seen,
+            )
+            over = verdict()
         if over is None:
             return None
         return Refuse(
@@ -954,7 +1003,8 @@ class Admitter:
             )
         except CommitConflictError:
             return False
-        holds = await self.ledger.active_holds()
+        # A queue head's hold is the queue's, not a refused task's: it does not count here.
+        holds = [h for h in await self.ledger.active_holds() if not h.queue_entry]
         in_namespace = [h for h in holds if h.namespace == request.namespace]
         if len(in_namespace) > self.settings.max_holds_per_namespace or len(holds) > self.settings.max_holds:
             await self.ledger.withdraw(created)

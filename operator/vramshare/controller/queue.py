@@ -9,21 +9,30 @@ GpuReservation (no GPU). On every pass, woken by a pod or reservation change or 
    placement that is not labelled committed was written by a leader that stopped before its commit
    was known to hold (or whose commit failed and could not be withdrawn): nobody vouches for it, so
    it goes back to the queue and is placed again through the commit;
-2. plans the queue with the pure `plan_queue` (oldest first, backfill, a bounded hold for the head)
+2. plans the queue with the pure `plan_queue` (fair share across namespaces by their weights, the
+   label vramshare.io/queue-weight, oldest first within one, backfill, a bounded hold for the head)
    over the ledger's view, and places each pod through the ledger's commit (the same protocol and
    conflict handling as an admission), then writes the GPU into its annotations, pins it to the
    GPU's node and lifts its gate; the kubelet resolves NVIDIA_VISIBLE_DEVICES from the annotation
    when the container starts;
-3. writes each waiting entry's position (and, for the head, the GPU held for it) to its status.
+3. keeps the head's hold in the ledger: a GpuReservation in phase Held (labelled
+   vramshare.io/queued) booking the head's MiB on the held GPU, committed like any booking. So the
+   webhook counts it too, and a pod created meanwhile cannot take the memory that frees there for the
+   head (it is admitted elsewhere, queued or refused). The hold is withdrawn when the head is placed
+   or the hold moves on;
+4. writes each waiting entry's position (and, for the head, the GPU held for it) to its status.
 
-The queue is the set of Queued GpuReservations, ordered by creation time: it lives in the API server,
-so a new leader continues it. Only the hold's start time is in memory; a new leader starts it anew.
+The queue is the set of Queued GpuReservations, ordered by creation time, and the head's hold a
+GpuReservation too: both live in the API server, so a new leader continues them, the hold with its
+start time.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import secrets
 import time
 from collections.abc import Callable
 
@@ -34,10 +43,12 @@ from vramshare.controller.settings import ControllerSettings
 from vramshare.controller.state import ClusterState
 from vramshare.domain import Hold, ReservationPhase, Waiting, plan_queue
 from vramshare.domain.guardrails import fraction_of
+from vramshare.domain.queue import QueuePlan, parse_weight
 from vramshare.domain.scheduling import schedulable_nodes
+from vramshare.domain.tenancy import holdings_of
 from vramshare.kube.client import ApiError, KubeClient, Obj
 from vramshare.kube.events import Event, Involved, post_event
-from vramshare.kube.ledger import CommitConflictError, KubeLedger
+from vramshare.kube.ledger import CommitConflictError, KubeLedger, Snapshot
 from vramshare.kube.objects import GpuReservation
 from vramshare.kube.pods import (
     ANNOTATION_FRACTION,
@@ -49,9 +60,16 @@ from vramshare.kube.pods import (
     placement_annotations,
     release_patch,
 )
-from vramshare.kube.resources import device_name, reservations_path
+from vramshare.kube.resources import LABEL_QUEUE_WEIGHT, device_name, reservations_path
 
 log = structlog.get_logger("vramshare.queue")
+
+QUEUE_HOLD_PREFIX = "queue-"
+
+
+def queue_hold_key(entry_key: str) -> str:
+    """The held-for label of the hold kept for a queue entry (a label value: hashed to fit)."""
+    return QUEUE_HOLD_PREFIX + hashlib.sha256(entry_key.encode()).hexdigest()[:40]
 
 
 class QueueLoop:
@@ -75,6 +93,8 @@ class QueueLoop:
         self._wake = asyncio.Event()
         self._placed: set[str] = set()
         """Entries this leader placed: committed, whether or not the state's cache shows the label."""
+        self._bad_weights: set[str] = set()
+        """Namespaces whose weight label was not a valid weight (logged once each)."""
 
     def wake(self) -> None:
         """Something changed (a pod ended, a reservation was released or queued): plan again now."""
@@ -140,7 +160,22 @@ class QueueLoop:
             )
             for key, (res, pod) in queued.items()
         ]
-        ledger = snapshot.index.reservations() if snapshot.index is not None else snapshot.reservations
+        holds = self._queue_holds()
+        if self.hold is None:  # a new leader: the hold the last one kept, with its start
+            by_key = {queue_hold_key(k): k for k in queued}
+            for h in holds:
+                if h.held_for in by_key:
+                    since = h.meta.created_at or now
+                    self.hold = Hold(key=by_key[h.held_for], gpu_uuid=h.spec.gpu_uuid, since=since)
+                    break
+        # The plan keeps the held GPU for the head itself; the hold's booking is for everyone else.
+        hold_keys = {h.key for h in holds}
+        ledger = [
+            r
+            for r in (snapshot.index.reservations() if snapshot.index is not None else snapshot.reservations)
+            if f"{r.namespace}/{r.name}" not in hold_keys
+        ]
+        namespaces = {w.namespace for w in waiting}
         plan = plan_queue(
             waiting,
             snapshot.gpus,
@@ -149,6 +184,8 @@ class QueueLoop:
             queue=self.settings.queue,
             hold=self.hold,
             now=now,
+            held_mib={ns: self._held_mib(snapshot, ns) for ns in namespaces},
+            weights={ns: self._weight(ns) for ns in namespaces},
         )
         self.hold = plan.hold
         placed = 0
@@ -179,8 +216,82 @@ class QueueLoop:
                 waited_s=round(now - w.queued_at, 1),
             )
             await self._release(booked, pod)
+        await self._keep_hold(plan, holds, {w.key: w for w in waiting}, snapshot)
         await self._write_positions(queued, plan.positions, now=now)
         return placed
+
+    def _queue_holds(self) -> list[GpuReservation]:
+        """The head's holds in the ledger (one, but a failover or a race may leave more)."""
+        return [
+            r
+            for r in self.state.reservations.items.values()
+            if r.held_for.startswith(QUEUE_HOLD_PREFIX)
+            and r.phase is ReservationPhase.HELD
+            and r.labelled_active
+        ]
+
+    @staticmethod
+    def _held_mib(snapshot: Snapshot, namespace: str) -> int:
+        """What a namespace holds for its fair share: its bookings (not what waits in the queue)."""
+        if snapshot.index is not None:
+            held = snapshot.index.holdings(namespace)
+        else:
+            held = holdings_of(snapshot.reservations, namespace)
+        return held.bound_mib + held.pending_mib + held.held_mib
+
+    def _weight(self, namespace: str) -> float:
+        labels = self.state.namespaces.items.get(f"/{namespace}", {})
+        value = labels.get(LABEL_QUEUE_WEIGHT)
+        weight = parse_weight(value)
+        if weight is None:
+            if value is not None and namespace not in self._bad_weights:
+                self._bad_weights.add(namespace)
+                log.warning(
+                    "namespace label vramshare.io/queue-weight is not a number above 0 and at most 1000; "
+                    "weight 1 is used",
+                    namespace=namespace,
+                    value=value,
+                )
+            return 1.0
+        self._bad_weights.discard(namespace)
+        return weight
+
+    async def _keep_hold(
+        self, plan: QueuePlan, existing: list[GpuReservation], waiting: dict[str, Waiting], snapshot: Snapshot
+    ) -> None:
+        """Make the ledger hold what the plan holds for the head: keep a matching hold, withdraw the
+        others, commit a new one where there is none."""
+        hold = plan.hold
+        wanted = (queue_hold_key(hold.key), hold.gpu_uuid) if hold is not None else None
+        kept = False
+        for h in existing:
+            if not kept and (h.held_for, h.spec.gpu_uuid) == wanted:
+                kept = True
+                continue
+            await self.ledger.withdraw_hold(h.namespace, h.name)
+        if hold is None or kept:
+            return
+        head = waiting[hold.key]
+        gpu = next((g for g in snapshot.gpus if g.uuid == hold.gpu_uuid), None)
+        if gpu is None:
+            return
+        booking = GpuReservation.new(
+            name=f"queue-hold-{secrets.token_hex(4)}",
+            namespace=head.namespace,
+            pod=head.pod,
+            mib=head.mib,
+            gpu=gpu,
+            admission_uid="",
+            user=self.settings.identity,
+            held_for=queue_hold_key(hold.key),
+            queued=True,
+        )
+        try:
+            await self.ledger.commit(reservation=booking, token=snapshot.tokens[gpu.uuid], live=snapshot.live)
+        except CommitConflictError:
+            self.wake()  # another commit on that GPU: the next pass holds it again
+            return
+        log.info("holding a GPU for the head of the queue", reservation=hold.key, gpu=gpu.uuid, mib=head.mib)
 
     async def _release(self, res: GpuReservation, pod: Obj) -> None:
         """Write the placement into the gated pod and lift the gate (read again once if it changed)."""

@@ -35,7 +35,14 @@ class ClusterState:
         self.pods: WatchCache[Obj] = WatchCache(
             kube, "/api/v1/pods", decode=_pod, label_selector=LABEL_RESERVATION, name="pods"
         )
-        self._caches = (self.devices, self.reservations, self.nodes, self.pods)
+        self.namespaces: WatchCache[dict[str, str]] = WatchCache(
+            kube,
+            "/api/v1/namespaces",
+            decode=lambda o: dict(o["metadata"].get("labels") or {}),
+            name="namespaces",
+        )
+        """Namespace labels: each namespace's weight in the queue's fair share."""
+        self._caches = (self.devices, self.reservations, self.nodes, self.pods, self.namespaces)
 
     async def run(self) -> None:
         await asyncio.gather(*(c.run() for c in self._caches))

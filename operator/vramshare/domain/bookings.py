@@ -43,6 +43,8 @@ class LedgerIndex:
         """Namespace -> what it holds (see `vramshare.domain.tenancy`)."""
         self._user_pending: dict[str, int] = {}
         """User -> MiB of their bookings whose pod has not appeared."""
+        self._pending_bookings: dict[str, Reservation] = {}
+        """The bookings whose pod has not appeared (few: each ends within a second, or its TTL)."""
 
     def __len__(self) -> int:
         return len(self._members)
@@ -79,6 +81,10 @@ class LedgerIndex:
         else:
             self._holdings[namespace] = held
         if holding_of(reservation) is Holding.PENDING:
+            if sign > 0:
+                self._pending_bookings[f"{namespace}/{reservation.name}"] = reservation
+            else:
+                self._pending_bookings.pop(f"{namespace}/{reservation.name}", None)
             left = self._user_pending.get(reservation.user, 0) + sign * reservation.mib
             if left:
                 self._user_pending[reservation.user] = left
@@ -147,6 +153,10 @@ class LedgerIndex:
     def holdings(self, namespace: str) -> Holdings:
         """What `namespace` holds: bound, pending, held and queued MiB."""
         return self._holdings.get(namespace, Holdings())
+
+    def pending_bookings(self) -> list[Reservation]:
+        """Every booking whose pod has not appeared (to the controller) yet."""
+        return list(self._pending_bookings.values())
 
     def pending_of_user(self, user: str) -> int:
         """MiB of `user`'s bookings whose pod has not appeared."""

@@ -125,6 +125,8 @@ class Reservation:
     """For a hold (phase Held): the key of the task it is kept for (see `vramshare.domain.fairness`)."""
     user: str = ""
     """Who created the pod it was admitted for (the admission request's user)."""
+    pod_label: str = ""
+    """The value of its pod's label vramshare.io/reservation: its name, or its set's (several GPUs)."""
     queue_entry: bool = False
     """Made for a pod that waited in the queue: its pod exists (behind a gate) from the start, so it is
     never pending (see `vramshare.domain.tenancy`)."""

@@ -1,23 +1,30 @@
-"""Queue mode: which waiting pods to place now, oldest first, with backfill and a bounded hold.
+"""Queue mode: which waiting pods to place now, in fair order, with backfill and a bounded hold.
 
 A pod that does not fit when it is created can wait (behind a scheduling gate) instead of being
 refused. `plan_queue()` is the whole policy, given the queue, the inventory and the ledger as values:
 
-- **Oldest first.** Waiting pods are taken in the order they were queued; each is placed by the same
-  `choose()` the webhook uses, and the memory it books counts for the ones after it.
+- **Fair share across namespaces, oldest first within one.** The next pod considered is the oldest of
+  the namespace whose GPU memory held (bound, pending and held bookings, and what this pass placed for
+  it) with that pod added, divided by its weight, is the smallest; ties go to the oldest pod. Weights
+  come from a namespace label (equal by default), so a namespace of weight 3 is placed three times the
+  memory of one of weight 1 while both wait. Each pod is placed by the same `choose()` the webhook uses,
+  and the memory it books counts for the ones after it. A namespace may use memory others leave idle
+  (borrowing); vramshare never preempts, so what it borrowed comes back as its pods finish, and until
+  then the namespaces that return are placed first.
 - **Backfill.** A pod that does not fit does not stop younger, smaller pods from using memory it could
   not use anyway...
-- **...except on one GPU: the hold.** The oldest pod that does not fit (the *head*) holds one GPU that
-  is big enough for it, the one closest to fitting it. Nothing else is placed there, so the memory
-  that frees up on it accumulates for the head instead of going to a stream of small pods, and a
-  large request cannot starve. A hold lasts at most `hold_limit_s`; then the head moves its hold to
-  the next closest GPU (the memory on the first may be taken by something vramshare does not
-  book), so no GPU is held forever.
+- **...except on one GPU: the hold.** The first pod in that order that does not fit (the *head*) holds
+  one GPU that is big enough for it, the one closest to fitting it. Nothing else is placed there, so the
+  memory that frees up on it accumulates for the head instead of going to a stream of small pods, and a
+  large request cannot starve. A hold lasts at most `hold_limit_s`; then the head moves its hold to the
+  next closest GPU (the memory on the first may be taken by something vramshare does not book), so no
+  GPU is held forever.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections import deque
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from vramshare.domain.allocation import AllocationSettings, Choice, GpuVerdict, choose
@@ -65,8 +72,63 @@ class QueuePlan:
     """Key -> 1-based position of each entry still waiting."""
 
 
+MAX_WEIGHT = 1000.0
+
+
+def parse_weight(value: str | None) -> float | None:
+    """A namespace's weight from its label: a number above 0 and at most 1000 (None: not one)."""
+    if value is None:
+        return None
+    try:
+        weight = float(value)
+    except ValueError:
+        return None
+    return weight if 0 < weight <= MAX_WEIGHT else None
+
+
 def queue_order(waiting: Iterable[Waiting]) -> list[Waiting]:
     return sorted(waiting, key=lambda w: (w.queued_at, w.key))
+
+
+class FairOrder:
+    """Waiting pods in fair order (see the module's docstring): `next()` the pod to consider now,
+    `placed()` when it was placed, which raises its namespace's share."""
+
+    def __init__(
+        self, waiting: Iterable[Waiting], *, held: Mapping[str, int], weights: Mapping[str, float]
+    ) -> None:
+        self._queues: dict[str, deque[Waiting]] = {}
+        for w in queue_order(waiting):
+            self._queues.setdefault(w.namespace, deque()).append(w)
+        self._weights = weights
+        self._share = {ns: held.get(ns, 0) / self.weight(ns) for ns in self._queues}
+
+    def weight(self, namespace: str) -> float:
+        return self._weights.get(namespace, 1.0)
+
+    def next(self) -> Waiting | None:
+        queues = [(ns, q) for ns, q in self._queues.items() if q]
+        if not queues:
+            return None
+        # By the share each namespace would have once its next pod is placed (as weighted fair queueing
+        # orders by finish time): with current shares alone, ties (5 of weight 1 against 15 of weight 3)
+        # would go to the older pod, which is the lighter namespace's, every time.
+        _, q = min(
+            queues,
+            key=lambda t: (
+                self._share[t[0]] + t[1][0].mib / self.weight(t[0]),
+                t[1][0].queued_at,
+                t[1][0].key,
+            ),
+        )
+        return q.popleft()
+
+    def placed(self, w: Waiting) -> None:
+        self._share[w.namespace] += w.mib / self.weight(w.namespace)
+
+    def __iter__(self) -> Iterator[Waiting]:
+        while (w := self.next()) is not None:
+            yield w
 
 
 def plan_queue(
@@ -78,8 +140,11 @@ def plan_queue(
     queue: QueueSettings,
     hold: Hold | None,
     now: float,
+    held_mib: Mapping[str, int] | None = None,
+    weights: Mapping[str, float] | None = None,
 ) -> QueuePlan:
-    """Place what fits now, oldest first, keeping the head's held GPU for the head alone."""
+    """Place what fits now in fair order, keeping the head's held GPU for the head alone. `held_mib` is
+    each namespace's GPU memory held now, `weights` its weight (1 where absent)."""
     index = LedgerIndex()
     for r in reservations:
         index.put(f"{r.namespace}/{r.name}", r)
@@ -92,7 +157,8 @@ def plan_queue(
     placements: list[tuple[Waiting, Choice]] = []
     left: list[Waiting] = []
     new_hold: Hold | None = None
-    for w in queue_order(waiting):
+    order = FairOrder(waiting, held=held_mib or {}, weights=weights or {})
+    for w in order:
         held = new_hold.gpu_uuid if new_hold is not None else None
         request = AllocationRequest(mib=w.mib, namespace=w.namespace, pod=w.pod, nodes=w.nodes, model=w.model)
         decision = None
@@ -101,6 +167,7 @@ def plan_queue(
             decision = choose(request, candidates, (), settings=settings, now=now, index=index)
             if isinstance(decision, Choice):
                 placements.append((w, decision))
+                order.placed(w)
                 gpu = decision.gpu
                 rooms[gpu.uuid] -= w.mib
                 index.put(

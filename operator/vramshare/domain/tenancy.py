@@ -27,7 +27,7 @@ quota.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from enum import StrEnum
 
@@ -47,7 +47,8 @@ def holding_of(reservation: Reservation) -> Holding | None:
     """How `reservation` counts for its namespace; None once it ended."""
     phase = reservation.phase
     if phase is ReservationPhase.HELD:
-        return Holding.HELD
+        # A queue head's hold: the entry it holds for is counted already (queued).
+        return None if reservation.queue_entry else Holding.HELD
     if phase is ReservationPhase.QUEUED:
         return Holding.QUEUED
     if phase is ReservationPhase.RESERVED:
@@ -102,6 +103,33 @@ def pending_of_user(reservations: Iterable[Reservation], user: str) -> int:
     return sum(r.mib for r in reservations if r.user == user and holding_of(r) is Holding.PENDING)
 
 
+def with_pods_seen(
+    holdings: Holdings,
+    pending: Iterable[Reservation],
+    *,
+    namespace: str,
+    user: str,
+    appeared: Callable[[Reservation], bool],
+) -> tuple[Holdings, int]:
+    """`holdings` of `namespace` with the pending bookings whose pod has `appeared` (a pod carrying it
+    exists, though the controller has not bound it yet) counted as bound, and `user`'s pending MiB
+    whose pod has not. The controller binds within a second or so; a webhook that sees pods appear
+    need not wait for it, so a burst of real pods is not taken for pods that never appear."""
+    seen_mib = user_unseen = 0
+    for r in pending:
+        if holding_of(r) is not Holding.PENDING:
+            continue
+        if appeared(r):
+            seen_mib += r.mib if r.namespace == namespace else 0
+        elif r.user == user:
+            user_unseen += r.mib
+    moved = min(seen_mib, holdings.pending_mib)
+    adjusted = replace(
+        holdings, pending_mib=holdings.pending_mib - moved, bound_mib=holdings.bound_mib + moved
+    )
+    return adjusted, user_unseen
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Quota:
     """A namespace's limit on GPU memory: one ResourceQuota's hard `requests.<resource>`."""
@@ -113,7 +141,7 @@ class Quota:
 
 
 DEFAULT_PENDING_MIB_PER_NAMESPACE = 131_072
-DEFAULT_PENDING_MIB_PER_USER = 65_536
+DEFAULT_PENDING_MIB_PER_USER = 131_072
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -381,6 +381,13 @@ class KubeLedger:
         holds = [GpuReservation.from_wire(o) for o in listed.get("items", [])]
         return [h for h in holds if h.phase.is_active]
 
+    async def pod_labels(self, namespace: str) -> set[str]:
+        """The reservation labels of the namespace's GPU pods (a consistent read)."""
+        pods = await list_all(
+            self.kube, f"/api/v1/namespaces/{namespace}/pods", label_selector=LABEL_RESERVATION
+        )
+        return {str(p["metadata"]["labels"][LABEL_RESERVATION]) for p in pods.get("items", [])}
+
     async def pod_carries(self, namespace: str, reservation: str) -> bool:
         """Whether any pod already carries the reservation's label (a consistent read)."""
         pods = await self.kube.list(

@@ -235,6 +235,7 @@ class GpuReservation:
         held_for: str = "",
         set_name: str = "",
         gpu_count: int = 1,
+        queued: bool = False,
     ) -> GpuReservation:
         """A booking as the webhook creates it: not yet committed, active. With `held_for`, a hold:
         memory kept for that task's next try, with no pod of its own. With `set_name`, one of the
@@ -249,6 +250,8 @@ class GpuReservation:
             labels[LABEL_HELD_FOR] = held_for
         if set_name:
             labels[LABEL_SET] = set_name
+        if queued:  # a queue head's hold (see vramshare.controller.queue)
+            labels[LABEL_QUEUED] = "true"
         return GpuReservation(
             meta=Meta(name=name, namespace=namespace, labels=labels),
             spec=ReservationSpec(
@@ -364,6 +367,7 @@ class GpuReservation:
             held_for=self.held_for,
             user=self.spec.admitted_user,
             queue_entry=self.queue_entry,
+            pod_label=self.pod_label,
         )
 
 

@@ -39,6 +39,8 @@ LABEL_GPU = "vramshare.io/gpu"
 LABEL_QUEUED = "vramshare.io/queued"
 """On queue entries: "true". Their pods exist (behind the gate) from the start, so once placed they
 are not pending bookings (see `vramshare.domain.tenancy`)."""
+LABEL_QUEUE_WEIGHT = "vramshare.io/queue-weight"
+"""On namespaces: its weight in the queue's fair share (a number above 0, at most 1000; 1 without it)."""
 MEMORY_RESOURCE = "vramshare.io/gpu-mem-mib"
 """The extended resource vramshare requests for each pod it admits (its MiB, all GPUs together) and
 advertises in each GPU node's capacity: ResourceQuota, the scheduler and Kueue count GPU memory by it."""

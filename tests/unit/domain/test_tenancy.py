@@ -3,6 +3,8 @@ equal to summing the ledger; the quota and pending bounds; refusals remembered f
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -19,6 +21,7 @@ from vramshare.domain.tenancy import (
     over_limit,
     pending_of_user,
     why_no_hold,
+    with_pods_seen,
 )
 
 NAMESPACES = ("a", "b")
@@ -153,10 +156,10 @@ def test_pending_is_bounded_but_one_pod_always_passes_alone(pending: int, mib: i
 
 
 def test_the_user_bound_names_the_user() -> None:
-    over = check(Holdings(), 10, user_pending=65_530)
+    over = check(Holdings(), 10, user_pending=131_070)
     assert over is not None
     assert over.limit is Limit.PENDING_USER
-    assert over.message.startswith("user alice already has 65530 MiB")
+    assert over.message.startswith("user alice already has 131070 MiB")
 
 
 def test_holds_per_namespace_and_within_the_quota() -> None:
@@ -205,3 +208,14 @@ def test_a_nodes_capacity_is_the_sum_of_its_gpus_present() -> None:
         "n1": 80_000,
         "n2": 0,
     }
+
+
+def test_a_booking_whose_pod_appeared_is_not_pending() -> None:
+    mine = res(30_000, ReservationPhase.RESERVED, user="alice")
+    theirs = replace(mine, name="other", namespace="b", mib=5000, user="alice")
+    holdings = holdings_of([mine], "a")
+    assert holdings.pending_mib == 30_000
+    seen, user_pending = with_pods_seen(
+        holdings, [mine, theirs], namespace="a", user="alice", appeared=lambda r: r.name == "r"
+    )
+    assert (seen.bound_mib, seen.pending_mib, user_pending) == (30_000, 0, 5000)

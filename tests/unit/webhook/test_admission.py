@@ -72,6 +72,9 @@ class MemoryLedger:
     async def pod_exists(self, namespace: str, name: str) -> bool:
         return name in self.pods
 
+    async def pod_labels(self, namespace: str) -> set[str]:
+        return set(self.carried)
+
     async def active_holds(self) -> list[GpuReservation]:
         return [o for o in self.objects if o.held_for and o.phase.is_active]
 
