@@ -575,7 +575,7 @@ def test_the_heads_hold_is_a_booking_so_a_stream_of_new_pods_cannot_take_its_mem
         streaming.join()
     on_held = [name for name, uuid in made if uuid == held_gpu]
     print(
-        f"\nhead placed {waited:.1f} s after its held GPU freed; {len(made)} small pods of the stream admitted "
+        f"\nhead placed {waited:.1f} s after its held GPU freed; {len(made)} small pods of the stream in "
         f"({len(on_held)} on the held GPU, within its room beyond the head's 30000 MiB); hold limit 12 s"
     )
     assert placed.metadata.annotations[ANNOTATION_GPU_UUID] == held_gpu
