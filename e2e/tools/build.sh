@@ -2,14 +2,15 @@
 # Builds the local cluster's binaries from their Go modules, pinned by the wrapper modules beside this
 # script, into a cache outside the repository keyed by the wrapper's go.mod/go.sum (and own sources)
 # and the Go version. A warm cache makes this a no-op; a cold one builds once, printing progress.
-#   control plane: etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kubectl, kwok, helm
+#   control plane: etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kubectl, kwok, helm,
+#                  and Kueue's manager (kueue) with its CRDs and webhook manifests (kueue-config/)
 #   real nodes:    kubelet (with the control plane), containerd + shim + ctr, runc (cgo, seccomp),
 #                  the CNI loopback plugin and ours (cni-loopback), crictl, pause, NVIDIA's container
 #                  runtime and nvidia-ctk (nvidia-container-toolkit), and its NRI plugin
 #                  (nvidia-cdi-nri)
 #
 # Usage: e2e/tools/build.sh [tool...]
-#   (tools: etcd kubernetes kwok helm krew containerd runc cni crictl pause cni-loopback nvidia-toolkit
+#   (tools: etcd kubernetes kwok kueue helm krew containerd runc cni crictl pause cni-loopback nvidia-toolkit
 #    nvidia-cdi-nri; default: all)
 # Prints nothing on stdout but the bin directory on its last line, so callers can capture it.
 set -euo pipefail
@@ -84,6 +85,8 @@ build_one() {
       packages=(go.etcd.io/etcd/server/v3); outputs=(etcd);;
     kwok)
       packages=(sigs.k8s.io/kwok/cmd/kwok); outputs=(kwok);;
+    kueue)
+      packages=(sigs.k8s.io/kueue/cmd/kueue); outputs=(kueue); cgo=0;;
     helm)
       local kv; kv=$(pinned kubernetes k8s.io/kubernetes)
       # helm defaults its capabilities to an old Kubernetes; report the one we run.
@@ -105,6 +108,7 @@ build_one() {
   local stamp="$bin_dir/.$tool-$go_version-$key"
   local all_there=1
   for o in "${outputs[@]}"; do [[ -x "$dest/$o" ]] || all_there=0; done
+  [[ $tool != kueue || -d "$dest/kueue-config/crd" ]] || all_there=0
   if [[ -f "$stamp" && $all_there == 1 ]]; then
     return 0
   fi
@@ -118,6 +122,13 @@ build_one() {
                       {n++; if (n % 200 == 0) printf "[vramshare build] %s: %d packages compiled\n", t, n > "/dev/stderr"}'
   if [[ ${PIPESTATUS[0]} != 0 ]]; then log "building $tool failed"; exit 1; fi
   if [[ $tool == etcd ]]; then mv "$tmp/server" "$tmp/etcd"; fi
+  if [[ $tool == kueue ]]; then  # the manifests the harness applies, from the same module version
+    local kdir; kdir=$(cd "$here/kueue" && go list -m -f '{{.Dir}}' sigs.k8s.io/kueue)
+    rm -rf "$dest/kueue-config"; mkdir -p "$dest/kueue-config"
+    cp -r "$kdir/config/components/crd/bases" "$dest/kueue-config/crd"
+    cp "$kdir/config/components/webhook/manifests.yaml" "$dest/kueue-config/webhooks.yaml"
+    chmod -R u+w "$dest/kueue-config"
+  fi
   mkdir -p "$dest"
   for o in "${outputs[@]}"; do mv -f "$tmp/$o" "$dest/$o"; done
   rm -rf "$tmp"
@@ -129,6 +140,6 @@ build_one() {
 mkdir -p "$bin_dir"
 tools=("$@")
 [[ ${#tools[@]} -gt 0 ]] || tools=(etcd kubernetes kwok helm krew containerd runc cni crictl pause cni-loopback nvidia-toolkit
-                                   nvidia-cdi-nri)
+                                   nvidia-cdi-nri kueue)
 for t in "${tools[@]}"; do build_one "$t"; done
 echo "$bin_dir"

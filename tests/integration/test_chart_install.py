@@ -97,7 +97,7 @@ def can(stack: LocalCluster, sa: str, *args: str) -> bool:
         (CONTROLLER_SA, ["delete", "pods", "-n", "default"]),
         (CONTROLLER_SA, ["create", "pods", "-n", "default"]),
         (CONTROLLER_SA, ["update", "leases/kube-scheduler", "-n", NS]),
-        (CONTROLLER_SA, ["create", "gpureservations", "-n", "default"]),
+        (CONTROLLER_SA, ["patch", "nodes"]),  # only their status (the memory resource's capacity)
         (CONTROLLER_SA, ["patch", "mutatingwebhookconfigurations/t-vramshare"]),
     ],
 )
@@ -114,6 +114,11 @@ def test_identities_have_what_they_need(stack: LocalCluster) -> None:
     assert can(stack, CONTROLLER_SA, "patch", "pods", "-n", "jobs")  # queue mode places gated pods
     assert can(stack, WEBHOOK_SA, "watch", "namespaces")  # queue mode chosen by namespace label
     assert can(stack, CONTROLLER_SA, "update", "leases/t-vramshare-controller", "-n", NS)
+    assert can(stack, CONTROLLER_SA, "create", "gpureservations", "-n", "jobs")  # the queue head's hold
+    assert can(stack, CONTROLLER_SA, "patch", "nodes", "--subresource=status")  # GPU memory as node capacity
+    assert can(stack, CONTROLLER_SA, "watch", "namespaces")  # queue weights
+    assert can(stack, WEBHOOK_SA, "watch", "pods", "--all-namespaces")  # pending ends when the pod exists
+    assert can(stack, WEBHOOK_SA, "watch", "resourcequotas", "--all-namespaces")  # GPU-memory quotas
 
 
 def test_vramshare_runs_as_the_chart_identities(stack: LocalCluster) -> None:

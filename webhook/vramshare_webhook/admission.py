@@ -448,6 +448,10 @@ class Admitter:
         # Nor does one whose delivery mode fixes its devices at creation (cdi, volume-mounts): it is
         # refused while nothing fits, and retried.
         queue = queue and count == 1 and can_queue
+        # A pod another admission system holds (Kueue, until it admits the pod) waits behind vramshare's
+        # gate too, booking nothing: the controller places it once vramshare's gate is its last.
+        defer = bool(facts.held_elsewhere) and self.settings.wait_for_other_gates and count == 1 and can_queue
+        queue = queue or defer
         guard = self._guardrails(request.namespace, facts)
         if isinstance(guard, Invalid):
             return guard
@@ -480,7 +484,7 @@ class Admitter:
         if earlier is not None:  # its queue entry
             return self._queued(request, facts, entry=earlier, mib=mib, details=details, guard=guard)
         return await self._allocate(
-            request, facts, mib=mib, count=count, details=details, queue=queue, guard=guard
+            request, facts, mib=mib, count=count, details=details, queue=queue, guard=guard, defer=defer
         )
 
     def _budget(self, mib: int, gpus: list[Gpu]) -> Callable[[dict[str, Any]], dict[str, str]]:
@@ -593,9 +597,23 @@ class Admitter:
             env = guardrail_env(mib=mib, total_mib=0, mps=False, user=literal_env(container))
             return {k: env[k] for k in (TF_GROWTH, BUDGET_MIB)}
 
+        patch = queue_patch(request.object, reservation=entry, guardrails=known_now if guard else None)
+        if facts.held_elsewhere:
+            return Queue(
+                entry=entry,
+                patch=patch,
+                message=(
+                    f"vramshare: pod {request.namespace}/{facts.display_name} is held by "
+                    f"{', '.join(facts.held_elsewhere)}: it waits as GpuReservation {entry} behind "
+                    f"scheduling gate {QUEUE_GATE} too, and its {mib} MiB are booked only once its other "
+                    "gates are lifted (Kueue admitted it), on a GPU with room then"
+                ),
+                reason=Reason.HELD_ELSEWHERE,
+                details=details,
+            )
         return Queue(
             entry=entry,
-            patch=queue_patch(request.object, reservation=entry, guardrails=known_now if guard else None),
+            patch=patch,
             message=(
                 f"vramshare: no GPU has {mib} MiB free now; pod {request.namespace}/{facts.display_name} "
                 f"waits in the queue as GpuReservation {entry} behind scheduling gate {QUEUE_GATE} until "
@@ -651,6 +669,7 @@ class Admitter:
         details: dict[str, Any],
         queue: bool = False,
         guard: bool = False,
+        defer: bool = False,
     ) -> Decision:
         model = facts.model_request.strip() if facts.model_request is not None else None
         alloc = AllocationRequest(
@@ -679,7 +698,7 @@ class Admitter:
             # No lock: a decision joins this process's view before its commit's first await, so the
             # next one counts it; replicas race, and the commit's precondition settles that.
             decision = await self._attempt(
-                request, facts, alloc=alloc, details=tried, avoid=avoid, queue=queue, guard=guard
+                request, facts, alloc=alloc, details=tried, avoid=avoid, queue=queue, guard=guard, defer=defer
             )
             if not isinstance(decision, _Conflicted):
                 return decision
@@ -701,6 +720,7 @@ class Admitter:
         avoid: frozenset[str],
         queue: bool = False,
         guard: bool = False,
+        defer: bool = False,
     ) -> Decision | _Conflicted:
         """Decide on a snapshot and commit; `_Conflicted` when the chosen GPU's ledger moved meanwhile."""
         choosing = time.perf_counter()
@@ -742,6 +762,8 @@ class Admitter:
             over = self._over_limit(request, facts, alloc=alloc, snapshot=snapshot, pods=pods)
             if over is not None:
                 return replace(over, details={**details, **over.details})
+        if defer and self._could_ever_take(alloc, snapshot):
+            return await self._enqueue(request, facts, mib=alloc.mib, details=details, guard=guard)
 
         def decide(view: Snapshot) -> Choice | Refusal:
             # Memory held for this task's next try (an earlier refusal of it) counts as its own.
@@ -762,16 +784,9 @@ class Admitter:
         if not isinstance(decision, Choice):  # refuse only on a consistent view
             snapshot = await self.ledger.snapshot(fresh=True)
             decision = decide(snapshot)
-        if not isinstance(decision, Choice) and queue:
-            usable = [
-                g
-                for g in snapshot.gpus
-                if (alloc.nodes is None or g.node in alloc.nodes)
-                and model_matches(alloc.model, g.model)
-                and could_ever_fit(alloc.mib, g, settings=self.settings.allocation)
-            ]
-            if usable:  # it can wait for one of these; a request none could ever take is refused
-                return await self._enqueue(request, facts, mib=alloc.mib, details=details, guard=guard)
+        if not isinstance(decision, Choice) and queue and self._could_ever_take(alloc, snapshot):
+            # It can wait for one of these; a request none could ever take is refused.
+            return await self._enqueue(request, facts, mib=alloc.mib, details=details, guard=guard)
         if not isinstance(decision, Choice):
             return await self._refuse(request, facts, decision, snapshot=snapshot, details=details)
         gpu, gpus = decision.gpu, decision.gpus
@@ -1025,10 +1040,21 @@ class Admitter:
             return alloc  # every GPU node will do
         return replace(alloc, nodes=allowed, node_reasons=reasons)
 
+    def _could_ever_take(self, alloc: AllocationRequest, snapshot: Snapshot) -> bool:
+        """Whether some GPU the pod could be placed on would have room for it, empty."""
+        return any(
+            (alloc.nodes is None or g.node in alloc.nodes)
+            and model_matches(alloc.model, g.model)
+            and could_ever_fit(alloc.mib, g, settings=self.settings.allocation)
+            for g in snapshot.gpus
+        )
+
     async def _enqueue(
         self, request: rv.Request, facts: PodFacts, *, mib: int, details: dict[str, Any], guard: bool
     ) -> Queue:
         name = reservation_name(request.object)
+        if facts.held_elsewhere:
+            details = {**details, "held_elsewhere": list(facts.held_elsewhere)}
         if not request.dry_run:
             await self.ledger.enqueue(
                 GpuReservation.queued(

@@ -58,6 +58,7 @@ class Reason(StrEnum):
     QUOTA = "quota"
     PENDING_MIB_LIMIT = "pending-mib-limit"
     MEMORY_RESOURCE_WITHOUT_REQUEST = "memory-resource-without-request"
+    HELD_ELSEWHERE = "held-elsewhere"
 
 
 @dataclass(frozen=True, kw_only=True)

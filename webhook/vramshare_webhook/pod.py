@@ -21,10 +21,13 @@ from vramshare.domain.scheduling import NodeRules
 from vramshare.kube.pods import (
     ANNOTATED_GUARDRAILS,
     GUARDRAILS_ANNOTATION,
+    KUEUE_GATE,
+    KUEUE_QUEUE_LABEL,
     MODEL_ANNOTATION,
     QUEUE_GATE,
     affinity_on,
     node_rules,
+    other_gates,
     pinned_nodes,
     placement_annotations,
 )
@@ -460,6 +463,9 @@ class PodFacts:
     """`task` with its namespace, hashed to fit a label value."""
     overwritten: tuple[str, ...]
     """What the pod sets that only vramshare may set; a placement patch replaces it."""
+    held_elsewhere: tuple[str, ...] = ()
+    """Why another admission system decides when the pod may run: its scheduling gates other than
+    vramshare's (Kueue's), or Kueue's queue label (Kueue's webhook may gate it after vramshare's pass)."""
 
 
 AIRFLOW_TASK_LABELS = ("dag_id", "task_id", "run_id", "map_index")
@@ -498,7 +504,22 @@ def read_pod(
         node_rules=node_rules(pod),
         claimed_placement=placement_of(pod),
         overwritten=tuple(spoofed(pod)),
+        held_elsewhere=tuple(held_elsewhere(pod)),
     )
+
+
+def held_elsewhere(pod: Obj) -> list[str]:
+    """See `PodFacts.held_elsewhere`."""
+    # Read before the API server validates the pod: a name that is not a qualified name is not repeated.
+    gates = other_gates(pod)
+    reasons = [f"scheduling gate {g}" if _QUALIFIED.match(g) else "a scheduling gate" for g in gates[:4]]
+    labels = pod.get("metadata", {}).get("labels")
+    if isinstance(labels, dict) and labels.get(KUEUE_QUEUE_LABEL) and KUEUE_GATE not in gates:
+        reasons.append(f"label {KUEUE_QUEUE_LABEL} (Kueue's webhook gates it)")
+    return reasons
+
+
+_QUALIFIED = re.compile(r"^([a-z0-9.-]{1,253}/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
 
 
 def placement_of(pod: Obj) -> Placement | None:

@@ -79,6 +79,11 @@ class WebhookSettings:
     """The same per user (the creator of the pod as the API server authenticated it); 0: no bound."""
     max_holds_per_namespace: int = 1
     """Refuse mode's holds per namespace at most (each counted against its quota); 0: none."""
+    wait_for_other_gates: bool = True
+    """A GPU pod another admission system holds (a scheduling gate other than vramshare's at creation,
+    or Kueue's label kueue.x-k8s.io/queue-name) books nothing while it is held: it waits behind
+    vramshare's gate too and is placed once vramshare's gate is its last (Kueue admitted it). Pods with
+    several GPUs, and delivery modes cdi and volume-mounts, are booked at admission as before."""
     memory_resource: str = MEMORY_RESOURCE
     """The extended resource each admitted pod requests (its MiB, all GPUs together), which the
     controller advertises in each GPU node's capacity: a ResourceQuota on requests.<it> is the

@@ -57,6 +57,7 @@ from vramshare.kube.pods import (
     MPS_LABEL,
     gated,
     node_rules,
+    other_gates,
     placement_annotations,
     release_patch,
 )
@@ -137,7 +138,8 @@ class QueueLoop:
             if placed_meanwhile is not None and placed_meanwhile.is_active:
                 continue  # this process placed it a moment ago; the state's cache is behind
             pod = self._pod_of(res, pods)
-            if pod is not None and gated(pod):
+            # A pod another admission system still holds (Kueue's gate) books nothing until it lets go.
+            if pod is not None and gated(pod) and not other_gates(pod):
                 queued[res.key] = (res, pod)
         self.metrics.queued.set(len(queued))
         if not queued:

@@ -119,9 +119,21 @@ def placement_annotations(
     }
 
 
+KUEUE_GATE = "kueue.x-k8s.io/admission"
+"""The scheduling gate Kueue's pod integration puts on the pods it queues, lifted when it admits them."""
+KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+"""The label that puts a pod in a Kueue LocalQueue (Kueue's webhook then gates it)."""
+
+
 def gated(pod: Obj) -> bool:
     """Whether the pod still waits behind vramshare's scheduling gate."""
     return any(g.get("name") == QUEUE_GATE for g in (pod.get("spec") or {}).get("schedulingGates") or [])
+
+
+def other_gates(pod: Obj) -> list[str]:
+    """The pod's scheduling gates other than vramshare's: someone else (Kueue) still holds it."""
+    gates = (pod.get("spec") or {}).get("schedulingGates") or []
+    return [str(g.get("name")) for g in gates if isinstance(g, dict) and g.get("name") != QUEUE_GATE]
 
 
 def release_patch(pod: Obj, *, annotations: dict[str, str], node: str) -> Obj:

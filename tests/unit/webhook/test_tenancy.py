@@ -305,3 +305,41 @@ async def test_concurrent_refusals_never_leave_more_holds_than_allowed() -> None
     await asyncio.gather(*(webhook.review(request("12000", uid=f"{t}-b", labels=airflow(t))) for t in tasks))
     assert len(holds(ledger)) <= 1
     assert ledger.withdrawn  # the check after the commit took back the ones too many
+
+
+# -- pods another admission system holds (Kueue) ----------------------------------------------------
+
+
+def kueue_pod(**annotations: str) -> rv.Request:
+    req = request("4096", annotations=annotations)
+    req.object["spec"]["schedulingGates"] = [{"name": "kueue.x-k8s.io/admission"}]
+    return req
+
+
+async def test_a_pod_kueue_holds_books_nothing_and_waits_behind_vramshares_gate_too() -> None:
+    ledger = MemoryLedger()
+    review = await admitter(ledger).review(kueue_pod())
+    assert review["response"]["allowed"]
+    (entry,) = ledger.objects
+    assert entry.phase is ReservationPhase.QUEUED  # an entry without a GPU: nothing booked
+    assert not entry.spec.gpu_uuid
+    gates = next(op["value"] for op in patch_of(review) if op["path"] == "/spec/schedulingGates")
+    assert gates == [{"name": "kueue.x-k8s.io/admission"}, {"name": "vramshare.io/gpu-memory"}]
+    (warning,) = review["response"]["warnings"]
+    assert "is held by scheduling gate kueue.x-k8s.io/admission" in warning
+    assert resource_of(review)["requests"] == {RESOURCE: "4096"}  # Kueue's quota counts it
+
+
+async def test_kueues_label_alone_is_enough_since_its_webhook_may_gate_the_pod_after_vramshare() -> None:
+    ledger = MemoryLedger()
+    review = await admitter(ledger).review(request("4096", labels={"kueue.x-k8s.io/queue-name": "gpu"}))
+    assert "label kueue.x-k8s.io/queue-name" in review["response"]["warnings"][0]
+    assert [o.phase for o in ledger.objects] == [ReservationPhase.QUEUED]
+
+
+async def test_without_the_setting_or_with_several_gpus_a_held_pod_is_booked_at_admission() -> None:
+    ledger = MemoryLedger()
+    await admitter(ledger, wait_for_other_gates=False).review(kueue_pod())
+    ledger.gpus = (gpu("GPU-a", total=16_384), gpu("GPU-b", index=1, total=16_384))
+    await admitter(ledger).review(kueue_pod(**{"gpu-count": "2"}))
+    assert [o.phase for o in ledger.objects] == [ReservationPhase.RESERVED] * 3
