@@ -178,6 +178,9 @@ class QueueLoop:
             if f"{r.namespace}/{r.name}" not in hold_keys
         ]
         namespaces = {w.namespace for w in waiting}
+        held_mib = {ns: self._held_mib(snapshot, ns) for ns in namespaces}
+        weights = {ns: self._weight(ns) for ns in namespaces}
+        log.debug("planning the queue", waiting=len(waiting), held_mib=held_mib, weights=weights)
         plan = plan_queue(
             waiting,
             snapshot.gpus,
@@ -186,8 +189,8 @@ class QueueLoop:
             queue=self.settings.queue,
             hold=self.hold,
             now=now,
-            held_mib={ns: self._held_mib(snapshot, ns) for ns in namespaces},
-            weights={ns: self._weight(ns) for ns in namespaces},
+            held_mib=held_mib,
+            weights=weights,
         )
         self.hold = plan.hold
         placed = 0
