@@ -32,7 +32,6 @@ class LedgerIndex:
     def __init__(self) -> None:
         self._members: dict[str, Reservation] = {}
         self._sums: dict[str, _GpuSums] = {}
-        self._holding_pods: dict[tuple[str, str], int] = {}
         self._pending: dict[str, int] = {}
         """Namespace -> bookings still Reserved: made at admission, their pod not seen yet."""
         self._holds: dict[str, dict[str, Reservation]] = {}
@@ -65,9 +64,6 @@ class LedgerIndex:
             sums.not_started_mib += reservation.mib
         else:
             sums.recent[key] = (reservation.pod_running_since, reservation.mib)
-        if reservation.phase in (ReservationPhase.BOUND, ReservationPhase.LOST):
-            pod = (reservation.namespace, reservation.pod)
-            self._holding_pods[pod] = self._holding_pods.get(pod, 0) + 1
         if reservation.phase is ReservationPhase.RESERVED:
             self._pending[reservation.namespace] = self._pending.get(reservation.namespace, 0) + 1
         if reservation.held_for:
@@ -116,13 +112,6 @@ class LedgerIndex:
             del holds[key]
             if not holds:
                 del self._holds[old.held_for]
-        if old.phase in (ReservationPhase.BOUND, ReservationPhase.LOST):
-            pod = (old.namespace, old.pod)
-            left = self._holding_pods[pod] - 1
-            if left:
-                self._holding_pods[pod] = left
-            else:
-                del self._holding_pods[pod]
 
     def booked(self, gpu: Gpu, *, settle_s: float) -> tuple[int, int]:
         """(reserved, unseen) MiB on `gpu` for its current sample."""
@@ -141,10 +130,6 @@ class LedgerIndex:
             for key in settled:
                 del sums.recent[key]
         return sums.reserved_mib, unseen
-
-    def holds_pod(self, namespace: str, pod: str) -> bool:
-        """Whether a pod of that name holds a Bound (or Lost) booking: it exists."""
-        return (namespace, pod) in self._holding_pods
 
     def pending_in(self, namespace: str) -> int:
         """How many bookings in `namespace` wait for their pod (phase Reserved)."""

@@ -59,16 +59,6 @@ def test_choose_decides_the_same_from_the_index(
     assert plain == indexed
 
 
-def test_holds_pod_follows_bound_bookings() -> None:
-    index = LedgerIndex()
-    from tests.unit.domain.builders import reservation
-
-    index.put("ns/a", reservation(100, name="a"))  # Bound, pod task-1
-    assert index.holds_pod("airflow", "task-1")
-    index.put("ns/a", None)
-    assert not index.holds_pod("airflow", "task-1")
-
-
 def test_pending_bookings_are_counted_per_namespace_as_they_come_and_go() -> None:
     index = LedgerIndex()
     index.put("a", builders.reservation(100, name="a", phase=ReservationPhase.RESERVED))
