@@ -15,6 +15,10 @@ import structlog
 _TIMESTAMP = structlog.processors.TimeStamper(fmt="iso", utc=True)
 
 
+LEVELS = ("debug", "info", "warning", "error")
+"""The log levels the VRAMSHARE_LOG_LEVEL settings accept."""
+
+
 def configure(*, level: str = "info") -> None:
     numeric = logging.getLevelName(level.upper())
     if not isinstance(numeric, int):

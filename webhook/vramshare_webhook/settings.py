@@ -28,6 +28,7 @@ from vramshare.domain.tenancy import (
     TenancySettings,
 )
 from vramshare.kube.resources import MEMORY_RESOURCE, is_extended_resource_name, is_object_name
+from vramshare.logs import LEVELS
 from vramshare.settings import check_accounting, from_env, invalid
 from vramshare_webhook.delivery import DeliveryMode
 
@@ -216,6 +217,8 @@ class WebhookSettings:
                 return "The pod was not created; Airflow retries the task after its retry_delay."
 
     def validate(self) -> WebhookSettings:
+        if self.log_level.lower() not in LEVELS:
+            raise invalid("log_level", self.log_level, ", ".join(LEVELS))
         if self.denial_code not in (403, 429):
             raise invalid("denial_code", self.denial_code, "403 or 429")
         check_accounting(self.accounting)

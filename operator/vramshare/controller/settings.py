@@ -16,6 +16,7 @@ from vramshare.domain.delivery_check import MODES
 from vramshare.domain.inventory import InventorySettings
 from vramshare.domain.pools import PoolBasis, PoolRule
 from vramshare.kube.resources import MEMORY_RESOURCE, is_extended_resource_name, is_object_name
+from vramshare.logs import LEVELS
 from vramshare.prometheus import PrometheusAccess
 from vramshare.settings import check_accounting, from_env, invalid
 
@@ -182,6 +183,8 @@ class ControllerSettings:
         )
 
     def validate(self) -> ControllerSettings:
+        if self.log_level.lower() not in LEVELS:
+            raise invalid("log_level", self.log_level, ", ".join(LEVELS))
         check_accounting(self.accounting)
         for name in (
             "poll_interval_s",

@@ -91,6 +91,12 @@ async def test_airflow_away_is_logged_once_and_retried_at_every_poll() -> None:
         ({"VRAMSHARE_AIRFLOW_URL": "airflow:8080"}, "VRAMSHARE_AIRFLOW_URL='airflow:8080' is not valid"),
         ({"VRAMSHARE_AIRFLOW_POOL_BASIS": "gpus"}, "VRAMSHARE_AIRFLOW_POOL_BASIS='gpus' is not valid"),
         ({"VRAMSHARE_AIRFLOW_POOL_TASK_MIB": "0"}, "VRAMSHARE_AIRFLOW_POOL_TASK_MIB=0 is not valid"),
+        # Not only the pool's: a typo in the log level is an error, not a silent "info".
+        (
+            {"VRAMSHARE_LOG_LEVEL": "verbose"},
+            "VRAMSHARE_LOG_LEVEL='verbose' is not valid: expected debug, info",
+        ),
+        ({"VRAMSHARE_MEMORY_RESOURCE": "a/b/c"}, "VRAMSHARE_MEMORY_RESOURCE='a/b/c' is not valid"),
     ],
 )
 def test_pool_settings_are_checked(env: dict[str, str], problem: str) -> None:

@@ -379,6 +379,16 @@ def test_settings_from_env_and_their_errors() -> None:
         WebhookSettings.from_env({"VRAMSHARE_POLICY": "pack", **TLS_FILES})
     with pytest.raises(SettingsError, match=r"VRAMSHARE_DENIAL_CODE=500 is not valid: expected 403 or 429"):
         WebhookSettings.from_env({"VRAMSHARE_DENIAL_CODE": "500", **TLS_FILES})
+    with pytest.raises(
+        SettingsError,
+        match=r"VRAMSHARE_LOG_LEVEL='verbose' is not valid: expected debug, info, warning, error",
+    ):
+        WebhookSettings.from_env({"VRAMSHARE_LOG_LEVEL": "verbose", **TLS_FILES})
+    assert WebhookSettings.from_env({"VRAMSHARE_LOG_LEVEL": "DEBUG", **TLS_FILES}).log_level == "DEBUG"
+    with pytest.raises(SettingsError, match=r"VRAMSHARE_MEMORY_RESOURCE='gpu-mem' is not valid"):
+        WebhookSettings.from_env({"VRAMSHARE_MEMORY_RESOURCE": "gpu-mem", **TLS_FILES})
+    with pytest.raises(SettingsError, match=r"VRAMSHARE_MAX_PENDING_MIB_PER_USER=-1 is not valid"):
+        WebhookSettings.from_env({"VRAMSHARE_MAX_PENDING_MIB_PER_USER": "-1", **TLS_FILES})
     with pytest.raises(SettingsError, match=r"VRAMSHARE_TLS_CERT_FILE='' is not valid: expected both"):
         WebhookSettings.from_env({})
     with pytest.raises(
