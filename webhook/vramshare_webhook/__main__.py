@@ -163,6 +163,8 @@ async def serve(settings: WebhookSettings) -> None:
             await asyncio.sleep(settings.shutdown_delay_s)
         finally:
             await runner.cleanup()
+            # The last answers are out: their committed labels and withdrawals still finish.
+            await ledger.drain(timeout_s=settings.shutdown_delay_s + 2)
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)

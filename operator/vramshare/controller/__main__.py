@@ -199,6 +199,12 @@ async def lead(
                 raise ShutdownRequestedError
     finally:
         stop.set()
+        # The loops stop first; the placements they committed get their committed labels before the
+        # Lease is released, or the next leader would take them for never committed and re-queue them.
+        loops_task = next(t for t in tasks if t.get_name() == "loops")
+        loops_task.cancel()
+        await asyncio.gather(loops_task, return_exceptions=True)
+        await queue.ledger.drain(timeout_s=3.0)
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)

@@ -17,8 +17,9 @@ Commit protocol (optimistic concurrency, no lock held anywhere across processes)
    resourceVersions: the token must still cover every booking on the GPU. If not, delete our
    reservation and start again. A 409 from a status write alone (the controller recording a new sample)
    names the same last reservation: nothing was committed meanwhile, so the bump is retried on the new
-   resourceVersion. Otherwise label the reservation committed (off the answer's path), so observers of
-   the ledger can tell it from a candidate that may still be withdrawn.
+   resourceVersion. Otherwise label the reservation committed (off the answer's path, retried, and
+   waited for on shutdown: `drain`), so observers of the ledger can tell it from a candidate that may
+   still be withdrawn.
 
 Any commit on a GPU between our steps 1 and 4 moves its token and names a new reservation (names
 are unique), so two admissions can never both succeed on a view that misses the other.
@@ -93,6 +94,9 @@ from vramshare.kube.watch import WatchCache
 log = structlog.get_logger("vramshare.ledger")
 
 WITHDRAW_TIMEOUT_S = 3.0
+LABEL_ATTEMPTS = 5
+LABEL_BACKOFF_S = 0.2
+"""The committed label is retried this many times, waiting 0.2, 0.4, 0.8, 1.6 s in between."""
 CATCH_UP_TIMEOUT_S = 2.0
 """How long a decision waits for the reservation stream to pass every token; then a consistent read."""
 ACTIVE = f"{LABEL_ACTIVE}!=false"
@@ -651,14 +655,45 @@ class KubeLedger:
             entry.done.set_exception(error)
 
     async def _label_committed(self, created: GpuReservation) -> None:
-        try:
-            self.on_write("gpureservations", "patch")
-            await self.kube.merge_patch(
-                reservations_path(created.namespace, created.name),
-                {"metadata": {"labels": {LABEL_COMMITTED: "true"}}},
-            )
-        except (ApiError, OSError, TimeoutError) as exc:  # the booking stands either way; only its label lags
-            log.warning("reservation committed but not labelled", reservation=created.key, error=str(exc))
+        """Label a booking committed, off the answer's path, retried while the API server fails: a
+        placement left unlabelled goes back to the queue (nobody vouches for it), and observers count
+        only labelled bookings. The booking stands either way."""
+        error = ""
+        for attempt in range(LABEL_ATTEMPTS):
+            if attempt:
+                await asyncio.sleep(LABEL_BACKOFF_S * 2 ** (attempt - 1))
+            try:
+                self.on_write("gpureservations", "patch")
+                await self.kube.merge_patch(
+                    reservations_path(created.namespace, created.name),
+                    {"metadata": {"labels": {LABEL_COMMITTED: "true"}}},
+                )
+                return
+            except ApiError as exc:
+                if exc.not_found:
+                    return  # withdrawn or ended meanwhile: nothing to label
+                error = str(exc)
+            except (OSError, TimeoutError) as exc:
+                error = str(exc)
+        log.warning(
+            "reservation committed but not labelled",
+            reservation=created.key,
+            attempts=LABEL_ATTEMPTS,
+            error=error,
+        )
+
+    async def drain(self, *, timeout_s: float = 5.0) -> int:
+        """On shutdown, after the last answer: let the writes still running off the answers' path (the
+        committed labels, withdrawals) finish, for at most `timeout_s`; returns how many did not."""
+        pending = set(self._background)
+        if not pending:
+            return 0
+        _, left = await asyncio.wait(pending, timeout=timeout_s)
+        for task in left:
+            task.cancel()
+        if left:
+            log.warning("shutting down with writes unfinished", unfinished=len(left), timeout_s=timeout_s)
+        return len(left)
 
     async def _withdraw(self, created: GpuReservation, *, unplace: bool = False) -> bool:
         """Delete a booking nobody will use, within a few seconds; one that cannot be deleted (the API

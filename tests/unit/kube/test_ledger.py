@@ -487,3 +487,41 @@ async def test_withdrawing_a_hold_never_holds_up_the_answer() -> None:
             break
         await asyncio.sleep(0.01)
     assert reservations_path("jobs", "task-1") not in kube.objects
+
+
+async def test_the_committed_label_is_retried_and_a_shutdown_waits_for_it(
+    running: tuple[FakeKube, KubeLedger], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    kube, ledger = running
+    monkeypatch.setattr("vramshare.kube.ledger.LABEL_BACKOFF_S", 0.05)
+    failures = [2]
+
+    def flaky(op: str, path: str) -> Exception | None:
+        if op == "merge_patch" and "/gpureservations/" in path and failures[0] > 0:
+            failures[0] -= 1
+            return ApiError(status=503, reason="ServiceUnavailable", message="etcd leader changed")
+        return None
+
+    kube.fail = flaky
+    snap = await ledger.snapshot()
+    await ledger.commit(reservation=booking(), token=snap.tokens[GPU.uuid])
+    (path,) = reservations(kube)
+    assert kube.objects[path]["metadata"]["labels"][LABEL_COMMITTED] == "false"  # the first tries failed
+    assert await ledger.drain(timeout_s=5) == 0  # shutting down: the label still lands
+    assert kube.objects[path]["metadata"]["labels"][LABEL_COMMITTED] == "true"
+    assert failures == [0]
+
+
+async def test_a_label_that_keeps_failing_is_given_up_and_drain_is_bounded(
+    running: tuple[FakeKube, KubeLedger], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    kube, ledger = running
+    monkeypatch.setattr("vramshare.kube.ledger.LABEL_BACKOFF_S", 10.0)
+    kube.fail = lambda op, path: (
+        ApiError(status=503, reason="ServiceUnavailable", message="down")
+        if op == "merge_patch" and "/gpureservations/" in path
+        else None
+    )
+    snap = await ledger.snapshot()
+    await ledger.commit(reservation=booking(), token=snap.tokens[GPU.uuid])
+    assert await ledger.drain(timeout_s=0.2) == 1  # still backing off: left behind, not waited for
