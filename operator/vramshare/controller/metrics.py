@@ -81,6 +81,11 @@ class ControllerMetrics:
             "Pods seen carrying a reservation's label without being its pod (ignored, with an event).",
             registry=self.registry,
         )
+        self.overbooked_by_late_pods = Counter(
+            "vramshare_overbooked_by_late_pods",
+            "Pods that appeared after their booking expired onto a GPU booked past its size since.",
+            registry=self.registry,
+        )
         self.transitions = Counter(
             "vramshare_reservation_transitions",
             "Reservation phase changes by the reason (PodBound, PodNeverCreated, GpuMissing, ...).",

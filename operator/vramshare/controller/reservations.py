@@ -27,6 +27,7 @@ from vramshare.domain import (
     genuine_pod,
     next_phase,
 )
+from vramshare.domain.headroom import booked_past_capacity
 from vramshare.domain.inventory import GpuPresence
 from vramshare.domain.lifecycle import belongs, stuck_unschedulable
 from vramshare.kube.client import ApiError, KubeClient, Obj
@@ -38,6 +39,7 @@ from vramshare.kube.resources import (
     LABEL_ACTIVE,
     LABEL_RESERVATION,
     LABEL_SET,
+    device_name,
     parse_time,
     reservations_path,
 )
@@ -351,6 +353,8 @@ class ReservationReconciler:
         )
         if the_plan.empty:
             return False
+        if the_plan.transition is not None and the_plan.transition.reason == "PodAppearedLate":
+            the_plan = self._late_on_a_full_gpu(res, the_plan)
         if confirm_absence and the_plan.transition is not None and the_plan.transition.reason in _ABSENCE:
             listed = await self.kube.list(
                 f"/api/v1/namespaces/{res.namespace}/pods",
@@ -372,6 +376,39 @@ class ReservationReconciler:
                 pod=pod.name if pod else None,
             )
         return True
+
+    def _late_on_a_full_gpu(self, res: GpuReservation, the_plan: Plan) -> Plan:
+        """A pod that appeared after its booking expired counts again, whatever its GPU holds since: it
+        runs there. If the GPU is now booked past what it can hold, say so (vramshare evicts nothing):
+        no pod is admitted there until that much frees, since its headroom is below zero."""
+        device = self.state.devices.items.get(f"/{device_name(res.spec.gpu_uuid)}")
+        gpu = device.to_domain() if device is not None else None
+        if gpu is None or the_plan.event is None:
+            return the_plan
+        counted = [
+            r.to_domain()
+            for r in self.state.reservations.items.values()
+            if r.phase.is_active and r.spec.gpu_uuid == gpu.uuid and r.key != res.key
+        ]
+        mine = replace(res.to_domain(), phase=ReservationPhase.BOUND)
+        over = booked_past_capacity(
+            gpu, [*counted, mine], safety_margin_mib=self.settings.accounting.safety_margin_mib
+        )
+        if not over:
+            return the_plan
+        self.metrics.overbooked_by_late_pods.inc()
+        log.warning(
+            "a pod appeared after its booking expired; its GPU is now booked past what it can hold",
+            reservation=res.key,
+            gpu=gpu.uuid,
+            over_mib=over,
+        )
+        message = (
+            f"{the_plan.event.message}. GPU {gpu.label} is now booked {over} MiB past what it can hold "
+            "(memory given to others while this booking had expired): no pod is admitted there until "
+            "that much frees; vramshare evicts nothing"
+        )
+        return replace(the_plan, event=replace(the_plan.event, message=message))
 
     async def _check_schedulable(self, res: GpuReservation, pod: PodSighting | None, *, now: float) -> None:
         """Warn once (event and gauge) when a booking's pod stays unschedulable: its memory is held for

@@ -79,6 +79,15 @@ def headroom(
     )
 
 
+def booked_past_capacity(gpu: Gpu, reservations: Iterable[Reservation], *, safety_margin_mib: int) -> int:
+    """How many MiB the active bookings on `gpu` go past what it can ever hold (0 when within)."""
+    reserved = sum(r.mib for r in reservations if r.is_active and r.gpu_uuid == gpu.uuid)
+    room = headroom_of(
+        gpu, reserved_mib=reserved, unseen_mib=0, safety_margin_mib=safety_margin_mib, ledger_only=True
+    )
+    return max(0, -room.headroom_mib)
+
+
 def headroom_of(
     gpu: Gpu, *, reserved_mib: int, unseen_mib: int, safety_margin_mib: int, ledger_only: bool = False
 ) -> Headroom:

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from tests.unit.domain.builders import NOW, gpu
-from tests.unit.fake_kube import FakeKube, fed_state
+from tests.unit.fake_kube import FakeKube, add_idle_gpu, fed_state
 from vramshare.controller.metrics import ControllerMetrics
 from vramshare.controller.reservations import ReservationReconciler
 from vramshare.controller.settings import ControllerSettings
@@ -149,3 +149,32 @@ async def test_a_late_pod_revives_its_expired_booking() -> None:
         assert (status(kube)["phase"], status(kube)["reason"]) == ("Bound", "PodAppearedLate")
         assert "finishedAt" not in status(kube)
         assert kube.objects[PATH]["metadata"]["labels"]["vramshare.io/active"] == "true"
+
+
+async def test_a_late_pod_on_a_gpu_booked_full_since_is_said_to_overbook_it() -> None:
+    now = [NOW]
+    async with setup(now=now) as (kube, reconciler):
+        await add_idle_gpu(kube, GPU)  # 16384 MiB
+        now[0] = NOW + 25
+        await reconciler.sweep(presence=PRESENT)
+        assert status(kube)["phase"] == "Expired"
+        # Meanwhile the memory went to another pod: 14000 MiB of the 16384 (margin 512 by default).
+        other = GpuReservation.new(
+            name="other-1", namespace="jobs", pod="other", mib=14_000, gpu=GPU, admission_uid="u2"
+        )
+        await kube.create(reservations_path("jobs"), other.to_wire())
+        await kube.merge_patch(
+            f"{reservations_path('jobs', 'other-1')}/status", {"status": {"phase": "Bound"}}
+        )
+        await fed()
+        late = await add_pod(kube, "task", created=NOW + 24)
+        await reconciler.pod_changed(late, deleted=False, presence=PRESENT)
+        assert (status(kube)["phase"], status(kube)["reason"]) == (
+            "Bound",
+            "PodAppearedLate",
+        )  # it runs there
+        (event,) = [e for e in events(kube) if e["reason"] == "GpuReservedLate"]
+        # 14000 + 4096 + margin 512 = 18608 against 16384: 2224 MiB past.
+        assert "is now booked 2224 MiB past what it can hold" in event["message"]
+        assert "vramshare evicts nothing" in event["message"]
+        assert reconciler.metrics.overbooked_by_late_pods._value.get() == 1  # type: ignore[attr-defined]
