@@ -8,7 +8,10 @@ GpuReservation (no GPU). On every pass, woken by a pod or reservation change or 
    that placed it and then stopped, e.g. a failover in between, is finished by the next leader). A
    placement that is not labelled committed was written by a leader that stopped before its commit
    was known to hold (or whose commit failed and could not be withdrawn): nobody vouches for it, so
-   it goes back to the queue and is placed again through the commit;
+   it goes back to the queue and is placed again through the commit. Its pod is marked first
+   (`vramshare.io/placement-withdrawn`, conditional on the pod as read): the leader that placed it may
+   have stalled with the pod's release on its way, conditional on that same version, so exactly one
+   of the two lands, and a release that finds its placement withdrawn is not retried;
 2. plans the queue with the pure `plan_queue` (fair share across namespaces by their weights, the
    label vramshare.io/queue-weight, oldest first within one, backfill, a bounded hold for the head)
    over the ledger's view, and places each pod through the ledger's commit (the same protocol and
@@ -55,10 +58,12 @@ from vramshare.kube.pods import (
     ANNOTATION_MPS_LIMIT,
     MODEL_ANNOTATION,
     MPS_LABEL,
+    PLACEMENT_WITHDRAWN,
     gated,
     node_rules,
     other_gates,
     placement_annotations,
+    placement_id,
     release_patch,
 )
 from vramshare.kube.resources import LABEL_QUEUE_WEIGHT, device_name, reservations_path
@@ -126,7 +131,7 @@ class QueueLoop:
                     continue
                 if res.committed or res.key in self._placed:
                     await self._release(res, pod)
-                elif await self.ledger.unplace(res):
+                elif await self._fence(res, pod) and await self.ledger.unplace(res):
                     log.warning("placement not known to be committed; back in the queue", reservation=res.key)
         # Forget own placements once the cache shows them labelled, or gone.
         self._placed &= {res.key for res in entries if not res.committed}
@@ -298,9 +303,41 @@ class QueueLoop:
             return
         log.info("holding a GPU for the head of the queue", reservation=hold.key, gpu=gpu.uuid, mib=head.mib)
 
-    async def _release(self, res: GpuReservation, pod: Obj) -> None:
-        """Write the placement into the gated pod and lift the gate (read again once if it changed)."""
+    async def _fence(self, res: GpuReservation, pod: Obj) -> bool:
+        """Before taking back a placement nobody vouches for, mark its pod as withdrawn, conditional on
+        the pod as read: a leader that placed it and stalled may still have the release on its way,
+        conditional on that same version, so exactly one of the two lands. False when the release got
+        there first (the pod no longer waits: the placement stands)."""
         meta = pod["metadata"]
+        path = f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}"
+        fence = placement_id(res.name, res.meta.generation)
+        for _ in range(3):
+            try:
+                await self.kube.merge_patch(
+                    path,
+                    {
+                        "metadata": {
+                            "resourceVersion": pod["metadata"]["resourceVersion"],
+                            "annotations": {PLACEMENT_WITHDRAWN: fence},
+                        }
+                    },
+                )
+                return True
+            except ApiError as exc:
+                if exc.not_found:
+                    return False
+                if not exc.conflict:
+                    raise
+            pod = await self.kube.get(path)
+            if not gated(pod):
+                return False
+        return False
+
+    async def _release(self, res: GpuReservation, pod: Obj) -> None:
+        """Write the placement into the gated pod and lift the gate (read again if it changed), unless
+        another leader took this placement back meanwhile (see `_fence`)."""
+        meta = pod["metadata"]
+        fence = placement_id(res.name, res.meta.generation)
         path = f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}"
         spec = res.spec
         annotations = placement_annotations(
@@ -319,6 +356,9 @@ class QueueLoop:
         )
         annotations[ANNOTATION_MPS_LIMIT] = f"0={spec.memory_mib}M" if mps else ""
         for _ in range(3):
+            if (pod["metadata"].get("annotations") or {}).get(PLACEMENT_WITHDRAWN) == fence:
+                log.warning("placement taken back by another leader; the gate stays", reservation=res.key)
+                return
             try:
                 await self.kube.merge_patch(
                     path, release_patch(pod, annotations=annotations, node=spec.node_name)

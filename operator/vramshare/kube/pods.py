@@ -125,6 +125,17 @@ KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 """The label that puts a pod in a Kueue LocalQueue (Kueue's webhook then gates it)."""
 
 
+PLACEMENT_WITHDRAWN = "vramshare.io/placement-withdrawn"
+"""On a gated pod: `<entry>@<generation>`, the placement a leader took back. Written, conditional on
+the pod as read, before the entry is unplaced; a release of that placement still on its way from an
+earlier leader (conditional on the same pod version) then fails, and is not retried."""
+
+
+def placement_id(entry_name: str, generation: int) -> str:
+    """Which placement of a queue entry: its name and the generation its spec had when placed."""
+    return f"{entry_name}@{generation}"
+
+
 def gated(pod: Obj) -> bool:
     """Whether the pod still waits behind vramshare's scheduling gate."""
     return any(g.get("name") == QUEUE_GATE for g in (pod.get("spec") or {}).get("schedulingGates") or [])
