@@ -5,6 +5,7 @@ test_airflow_e2e.py; the client finds which one answers at its first login."""
 from __future__ import annotations
 
 import base64
+import itertools
 import json
 import urllib.error
 import urllib.request
@@ -129,5 +130,5 @@ def test_the_controller_keeps_an_airflow_2_pool_at_the_ready_gpus(airflow2: str,
         assert lines, log
         assert lines[0]["was"] is None
         assert (lines[-1]["slots"], lines[-1]["api"]) == (gpus, AIRFLOW_2)
-        for before, after in zip(lines, lines[1:], strict=False):
+        for before, after in itertools.pairwise(lines):
             assert after["was"] == before["slots"] < gpus
