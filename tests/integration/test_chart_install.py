@@ -343,6 +343,26 @@ def test_no_way_around_pinning_and_hiding(stack: LocalCluster) -> None:
         check=False,
     )
     assert "only vramshare sets vramshare.io/* annotations and labels" in refused, refused
+    # GPU memory as a resource, requested by a pod vramshare did not admit: refused in any namespace
+    # (the webhook answers 400 in the ones it manages; the policy everywhere else).
+    squatter = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "squatter"},
+        "spec": {
+            "containers": [
+                {"name": "b", "image": "x", "resources": {"limits": {"vramshare.io/gpu-mem-mib": "80000"}}}
+            ]
+        },
+    }
+    for namespace, said in (
+        ("default", "only vramshare requests the resource vramshare.io/gpu-mem-mib"),  # the policy
+        ("jobs", "request resource vramshare.io/gpu-mem-mib: only vramshare sets it"),  # the webhook
+    ):
+        body = json.loads(json.dumps(squatter))
+        body["metadata"]["namespace"] = namespace
+        refused = stack.kubectl("create", "-f", "-", stdin=json.dumps(body), check=False)
+        assert said in refused, (namespace, refused)
 
 
 def test_with_the_webhook_down_hiding_fails_closed_for_every_gpu_field(stack: LocalCluster) -> None:
