@@ -199,14 +199,6 @@ async def lead(
                 raise ShutdownRequestedError
     finally:
         stop.set()
-        # The loops stop first; the placements they committed get their committed labels before the
-        # Lease is released, or the next leader would take them for never committed and re-queue them.
-        # Both waits are bounded: the Lease is still renewed meanwhile, so a loop that did not stop
-        # (Python 3.11's wait_for can swallow a cancellation) must not keep the other replica out.
-        loops_task = next(t for t in tasks if t.get_name() == "loops")
-        loops_task.cancel()
-        await asyncio.wait({loops_task}, timeout=5.0)
-        await queue.ledger.drain(timeout_s=3.0)
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
