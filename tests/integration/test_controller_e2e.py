@@ -551,3 +551,92 @@ def test_the_krew_package_installs_with_krew_and_runs_on_a_bare_python(
     shown = kubectl("vramshare", "status", "--kubeconfig", str(stack.kubeconfig), "-o", "json")
     api = {d["spec"]["uuid"] for d in devices(stack).values()}
     assert {g["uuid"] for g in json.loads(shown)["gpus"]} == api
+
+
+# -- bookings that outlive their reservation's deletion (issue #30, 5) -----------------------------
+
+TERMINATING = "e2e.vramshare.io/terminating"
+"""A finalizer of the test's own on a pod: it keeps the pod deleted but present, Running, as a pod in
+its graceful termination is (kwok removes a deleted pod only once it has no finalizers)."""
+
+
+def terminating_pod(name: str, mib: int) -> client.V1Pod:
+    pod = gpu_pod(name, mib)
+    pod.metadata.finalizers = [TERMINATING]
+    return pod
+
+
+def keeps_counting(stack: LocalCluster, core: client.CoreV1Api, *, namespace: str, pod: client.V1Pod) -> str:
+    """Wait until the pod is terminating and its booking deleted, then check for 4 s (four lifecycle
+    sweeps) that the booking stays, Bound, counted in its GPU's reserved memory; returns its name."""
+    name = pod.metadata.annotations[ANNOTATION_RESERVATION]
+    uuid = pod.metadata.annotations[ANNOTATION_GPU_UUID]
+    mib = int(pod.metadata.annotations["gpu-mem-mb"])
+    eventually(
+        lambda: core.read_namespaced_pod(pod.metadata.name, namespace).metadata.deletion_timestamp,
+        what="the pod terminating",
+    )
+    eventually(
+        lambda: reservation(stack, name, namespace)["metadata"].get("deletionTimestamp"),
+        what="the booking's deletion requested",
+    )
+    until = time.monotonic() + 4
+    while time.monotonic() < until:
+        res = reservation(stack, name, namespace)  # still there: a NotFound fails the test
+        assert res["status"]["phase"] == "Bound", res["status"]
+        assert devices(stack)[uuid]["status"]["reservedMiB"] >= mib
+        time.sleep(0.5)
+    messages = [e.message for e in events_for(core, namespace, name) if e.reason == "ReleaseWaitsForPod"]
+    assert messages, "no ReleaseWaitsForPod event"
+    assert f"stay booked until pod {pod.metadata.name} has terminated" in messages[0], messages
+    return name
+
+
+def gone_after_the_pod(
+    stack: LocalCluster, core: client.CoreV1Api, *, namespace: str, pod: str, res: str
+) -> float:
+    """Let the pod finish terminating; returns how long its booking then took to go."""
+    core.patch_namespaced_pod(pod, namespace, {"metadata": {"finalizers": None}})
+    started = time.monotonic()
+    eventually(
+        lambda: "NotFound" in stack.kubectl("get", "gpureservation", res, "-n", namespace, check=False),
+        what="the booking gone with its pod",
+        timeout_s=15,
+    )
+    return time.monotonic() - started
+
+
+def test_a_deleted_namespace_keeps_its_bookings_until_its_pods_are_gone(
+    stack: LocalCluster, core: client.CoreV1Api
+) -> None:
+    """Deleting a namespace deletes its GpuReservations at once; its pods may still be terminating,
+    with their GPU memory in use. Before: the booking was gone at once."""
+    ns = "doomed"
+    stack.kubectl("create", "namespace", ns)
+    stack.kubectl("label", "namespace", ns, "vramshare-e2e/shard=ctl")
+    pod = core.create_namespaced_pod(ns, terminating_pod("still-running", 3000))
+    res = pod.metadata.annotations[ANNOTATION_RESERVATION]
+    eventually(lambda: reservation(stack, res, ns).get("status", {}).get("phase") == "Bound", what="Bound")
+    core.delete_namespace(ns)
+    keeps_counting(stack, core, namespace=ns, pod=pod)
+    took = gone_after_the_pod(stack, core, namespace=ns, pod="still-running", res=res)
+    eventually(
+        lambda: "NotFound" in stack.kubectl("get", "namespace", ns, check=False),
+        what="the namespace gone",
+        timeout_s=30,
+    )
+    print(f"\nnamespace deletion: the booking counted while its pod terminated, gone {took:.2f} s after it")
+
+
+def test_foreground_deletion_of_a_pod_keeps_its_booking_until_the_pod_is_gone(
+    stack: LocalCluster, core: client.CoreV1Api
+) -> None:
+    """Foreground deletion deletes the pod's dependents first, the booking through its ownerReference,
+    while the pod terminates. Before: the booking was gone at once."""
+    pod = core.create_namespaced_pod("jobs", terminating_pod("foreground", 3000))
+    res = pod.metadata.annotations[ANNOTATION_RESERVATION]
+    eventually(lambda: phase_of(stack, res) == "Bound", what="Bound")
+    core.delete_namespaced_pod("foreground", "jobs", propagation_policy="Foreground")
+    keeps_counting(stack, core, namespace="jobs", pod=pod)
+    took = gone_after_the_pod(stack, core, namespace="jobs", pod="foreground", res=res)
+    print(f"\nforeground deletion: the booking counted while its pod terminated, gone {took:.2f} s after it")

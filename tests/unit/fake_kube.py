@@ -190,20 +190,60 @@ class FakeKube:
         merged = _merge(current, patch)
         if merged.get("spec") != current.get("spec"):  # as the API server does: spec changes only
             merged["metadata"]["generation"] = int(current["metadata"].get("generation") or 1) + 1
-        self.objects[target] = self._bump(merged)
-        self._record(target, "MODIFIED", self.objects[target])
-        return copy.deepcopy(self.objects[target])
+        return self._store(target, merged)
+
+    def _store(self, path: str, obj: Obj) -> Obj:
+        """Write a changed object; as the API server does, one being deleted whose last finalizer is
+        gone goes away."""
+        if obj["metadata"].get("deletionTimestamp") and not obj["metadata"].get("finalizers"):
+            self._remove(path, obj)
+            return copy.deepcopy(obj)
+        self.objects[path] = self._bump(obj)
+        self._record(path, "MODIFIED", self.objects[path])
+        return copy.deepcopy(self.objects[path])
+
+    async def json_patch(self, path: str, operations: list[Obj]) -> Obj:
+        """The ops vramshare sends: test and remove on metadata.finalizers, add and replace anywhere."""
+        self._check("json_patch", path)
+        current = copy.deepcopy(self._found(path))
+        for op in operations:
+            *parents, last = op["path"].lstrip("/").split("/")
+            holder: Any = current
+            for part in parents:
+                holder = holder[int(part)] if isinstance(holder, list) else holder.setdefault(part, {})
+            key: Any = int(last) if isinstance(holder, list) else last
+            if op["op"] == "test":
+                try:
+                    found = holder[key]
+                except (IndexError, KeyError):
+                    found = None
+                if found != op["value"]:
+                    raise ApiError(status=422, reason="Invalid", message=f"test failed at {op['path']}")
+            elif op["op"] == "remove":
+                del holder[key]
+            else:
+                holder[key] = op["value"]
+        return self._store(path, current)
 
     async def delete(self, path: str, *, resource_version: str | None = None) -> Obj:
         self._check("delete", path)
         current = self._found(path)
         self._precondition(current, resource_version)
-        del self.objects[path]
+        if current["metadata"].get("finalizers"):  # kept, marked, until its finalizers are removed
+            if not current["metadata"].get("deletionTimestamp"):
+                current["metadata"]["deletionTimestamp"] = NOW_STAMP
+                self.objects[path] = self._bump(current)
+                self._record(path, "MODIFIED", current)
+            return copy.deepcopy(current)
+        self._remove(path, current)
+        return {"status": "Success"}
+
+    def _remove(self, path: str, current: Obj) -> None:
+        self.objects.pop(path, None)
         self.version += 1
         gone = copy.deepcopy(current)
         gone["metadata"]["resourceVersion"] = str(self.version)
         self._record(path, "DELETED", gone)
-        return {"status": "Success"}
 
 
 def _in_all_namespaces(path: str, collection: str) -> bool:

@@ -29,7 +29,7 @@ from vramshare.controller.settings import ControllerSettings
 from vramshare.controller.state import ClusterState
 from vramshare.kube.client import Connection, KubeClient
 from vramshare.kube.ledger import KubeLedger
-from vramshare.kube.resources import GROUP, LABEL_ACTIVE, LABEL_RESERVATION, RESERVATIONS, VERSION
+from vramshare.kube.resources import GROUP, LABEL_RESERVATION, RESERVATIONS, VERSION
 from vramshare.prometheus import DcgmSource
 from vramshare.settings import SettingsError
 
@@ -59,9 +59,9 @@ def kopf_registry(
         )
         queue.wake()
 
-    # Every active reservation, so that a booking whose pod never appears is looked at again the
-    # moment its TTL runs out (not at the next sweep).
-    @kopf.on.event(GROUP, VERSION, RESERVATIONS, labels={LABEL_ACTIVE: "true"}, registry=registry)
+    # Every reservation, so that a booking whose pod never appears is looked at again the moment its
+    # TTL runs out (not at the next sweep), and a deleted one goes the moment its pod is gone.
+    @kopf.on.event(GROUP, VERSION, RESERVATIONS, registry=registry)
     def reservation_changed(**event: Any) -> None:
         if event["type"] != "DELETED":
             reconciler.reservation_seen(dict(event["body"]), presence=lambda: inventory.presence)

@@ -139,6 +139,8 @@ class QueueLoop:
         for res in entries:
             if res.phase is not ReservationPhase.QUEUED or not res.status.pod_uid:
                 continue  # its pod has not been seen yet: nothing to place
+            if res.meta.deleting:
+                continue  # deleted (its namespace, or its pod in the foreground): it will not run
             placed_meanwhile = self.ledger.reservations.items.get(res.key)
             if placed_meanwhile is not None and placed_meanwhile.is_active:
                 continue  # this process placed it a moment ago; the state's cache is behind

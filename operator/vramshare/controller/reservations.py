@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, replace
+from typing import Any, Literal
 
 import structlog
 
@@ -32,10 +33,17 @@ from vramshare.domain.inventory import GpuPresence
 from vramshare.domain.lifecycle import belongs, stuck_unschedulable
 from vramshare.kube.client import ApiError, KubeClient, Obj
 from vramshare.kube.events import Event, Involved, post_event
-from vramshare.kube.objects import GpuReservation, OwnerRef, ReservationStatus
+from vramshare.kube.objects import (
+    GpuReservation,
+    OwnerRef,
+    ReservationStatus,
+    add_finalizer,
+    remove_finalizer,
+)
 from vramshare.kube.resources import (
     ANNOTATION_GPU_UUID,
     API_VERSION,
+    FINALIZER_POD_GONE,
     LABEL_ACTIVE,
     LABEL_RESERVATION,
     LABEL_SET,
@@ -84,10 +92,17 @@ class Plan:
     active_label: str | None = None
     """The vramshare.io/active label to write ("false" once ended, so the webhook's LIST skips it;
     "true" again for a booking that counts again); None to leave it."""
+    finalizer: Literal["add", "remove"] | None = None
+    """vramshare's finalizer: added to a booking that lacks it (made before it existed, or by hand);
+    removed from a deleted one once it has ended, which lets it go."""
+    deletion_waits: bool = False
+    """It was deleted while its pod may still hold the memory: it stays, and counts, until then."""
 
     @property
     def empty(self) -> bool:
-        return not (self.status or self.owner or self.event or self.delete or self.active_label)
+        return not (
+            self.status or self.owner or self.event or self.delete or self.active_label or self.finalizer
+        )
 
 
 def _event(res: GpuReservation, transition: Transition) -> Event | None:
@@ -181,6 +196,9 @@ def plan(
         on_reservation = transition.reason == "PodNeverCreated"
         if pod is None and not on_reservation:
             event = None  # no pod to tell
+    if res.meta.deleting:
+        written = status if status != current else None
+        return _deleted(res, status=written, transition=transition, event=event, active_after=active_after)
     delete = False
     if transition is None and not active_after:
         finished = current.finished_at if current.finished_at is not None else (res.meta.created_at or 0.0)
@@ -190,6 +208,8 @@ def plan(
         label = "false"
     elif active_after and not res.labelled_active:
         label = "true"
+    # Every booking of a pod waits for it to be gone once deleted; a hold has no pod to wait for.
+    missing = active_after and not res.held_for and not res.waits_for_pod_gone
     return Plan(
         status=status if status != current else None,
         transition=transition,
@@ -198,7 +218,26 @@ def plan(
         event_on_reservation=on_reservation,
         delete=delete,
         active_label=label,
+        finalizer="add" if missing else None,
     )
+
+
+def _deleted(
+    res: GpuReservation,
+    *,
+    status: ReservationStatus | None,
+    transition: Transition | None,
+    event: Event | None,
+    active_after: bool,
+) -> Plan:
+    """A reservation whose deletion was requested (its namespace deleted, its pod deleted in the
+    foreground, or by hand) follows the same lifecycle, but writes nothing the deletion makes moot:
+    while it holds memory for a pod that may still run, it stays and counts; once it has ended (its
+    pod gone or finished, or none within the TTL), the finalizer is removed and it goes."""
+    if active_after:
+        # The status still matters here: Reserved -> Bound records the pod it now waits for.
+        return Plan(status=status, transition=transition, event=event, deletion_waits=res.waits_for_pod_gone)
+    return Plan(transition=transition, event=event, finalizer="remove" if res.waits_for_pod_gone else None)
 
 
 _ABSENCE = ("PodDeleted", "PodNeverCreated")
@@ -289,6 +328,15 @@ class ReservationReconciler:
         a booking whose pod never appears stops counting on time, not at the next sweep."""
         res = GpuReservation.from_wire(obj)
         key = (res.namespace, res.name)
+        if res.meta.deleting and res.waits_for_pod_gone:
+            # Deleted: look now whether its pod is gone, so it (and its namespace) go without waiting
+            # for the next sweep; if the pod still runs, its pod's events bring the next look.
+            if key in self._deadlines:
+                self._deadlines.pop(key).cancel()
+            self._spawn(self._look_again(key, presence()))
+            return
+        if not res.labelled_active:
+            return
         waiting = res.phase in (ReservationPhase.RESERVED, ReservationPhase.QUEUED) and not res.status.pod_uid
         if not waiting or key in self._deadlines:
             if not waiting and key in self._deadlines:
@@ -299,11 +347,14 @@ class ReservationReconciler:
 
         def due() -> None:
             self._deadlines.pop(key, None)
-            task = loop.create_task(self._look_again(key, presence()))
-            self._checks.add(task)
-            task.add_done_callback(self._checks.discard)
+            self._spawn(self._look_again(key, presence()))
 
         self._deadlines[key] = loop.call_later(delay, due)
+
+    def _spawn(self, check: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(check)
+        self._checks.add(task)
+        task.add_done_callback(self._checks.discard)
 
     async def _look_again(self, key: tuple[str, str], presence: GpuPresence) -> None:
         try:
@@ -351,6 +402,8 @@ class ReservationReconciler:
             retention_s=self.settings.retention_s,
             hold_limit_s=self.settings.hold_limit_s,
         )
+        if the_plan.deletion_waits:
+            await self._announce_deletion_wait(res, pod, now=now)
         if the_plan.empty:
             return False
         if the_plan.transition is not None and the_plan.transition.reason == "PodAppearedLate":
@@ -445,6 +498,36 @@ class ReservationReconciler:
             reporter=self.settings.identity,
         )
 
+    async def _announce_deletion_wait(
+        self, res: GpuReservation, pod: PodSighting | None, *, now: float
+    ) -> None:
+        """Say once why a deleted GpuReservation (and so its namespace, if that is being deleted) is
+        still there: its pod may still hold the memory."""
+        key = (res.key, "deletion")
+        if key in self._announced:
+            return
+        self._announced.add(key)
+        whose = f"pod {pod.name}" if pod is not None else f"pod {res.spec.pod_name}, if it appears,"
+        message = (
+            f"Deletion requested; the {res.spec.memory_mib} MiB on {res.spec.gpu_uuid or 'no GPU yet'} stay "
+            f"booked until {whose} has terminated (finalizer {FINALIZER_POD_GONE})"
+        )
+        log.info("deleted booking waits for its pod", reservation=res.key, pod=pod.name if pod else None)
+        await post_event(
+            self.kube,
+            namespace=res.namespace,
+            involved=Involved(
+                api_version=API_VERSION,
+                kind="GpuReservation",
+                name=res.name,
+                uid=res.meta.uid,
+                namespace=res.namespace,
+            ),
+            event=Event(type="Normal", reason="ReleaseWaitsForPod", message=message),
+            now=now,
+            reporter=self.settings.identity,
+        )
+
     async def _announce_impostor(self, res: GpuReservation, impostor: PodSighting, *, now: float) -> None:
         key = (res.key, impostor.uid)
         if key in self._announced:
@@ -479,17 +562,24 @@ class ReservationReconciler:
         path = reservations_path(res.namespace, res.name)
         version = res.meta.resource_version
         try:
-            if the_plan.delete:
-                await self.kube.delete(path, resource_version=version)
-                return
+            if the_plan.delete or the_plan.finalizer == "remove":
+                if res.waits_for_pod_gone:
+                    patched = await self.kube.json_patch(path, remove_finalizer(res.meta, FINALIZER_POD_GONE))
+                    version = patched["metadata"]["resourceVersion"]
+                if the_plan.delete:
+                    await self.kube.delete(path, resource_version=version)
+                    return
+            metadata: dict[str, object] = {}
+            if the_plan.finalizer == "add":  # in the same write as the owner, when there is one
+                metadata = add_finalizer(res.meta, FINALIZER_POD_GONE)
             if the_plan.owner is not None:
                 owner = OwnerRef(
                     api_version="v1", kind="Pod", name=the_plan.owner.name, uid=the_plan.owner.uid
                 )
-                refs = [o.to_wire() for o in (*res.meta.owners, owner)]
-                patched = await self.kube.merge_patch(
-                    path, {"metadata": {"resourceVersion": version, "ownerReferences": refs}}
-                )
+                metadata["ownerReferences"] = [o.to_wire() for o in (*res.meta.owners, owner)]
+            if metadata:
+                metadata["resourceVersion"] = version
+                patched = await self.kube.merge_patch(path, {"metadata": metadata})
                 version = patched["metadata"]["resourceVersion"]
             if the_plan.status is not None:
                 # observedGeneration: the spec this status was judged for (API conventions).
@@ -512,7 +602,9 @@ class ReservationReconciler:
                     },
                 )
         except ApiError as exc:
-            if exc.not_found or exc.conflict:  # deleted or changed meanwhile: the next look decides again
+            # Deleted or changed meanwhile (a finalizer list that moved fails its test op: 422): the
+            # next look decides again.
+            if exc.not_found or exc.conflict or exc.status == 422:
                 return
             raise
         if the_plan.event is None:

@@ -75,10 +75,11 @@ import structlog
 
 from vramshare.domain import Gpu, LedgerIndex, ReleaseLog, Reservation
 from vramshare.kube.client import ApiError, KubeClient, Obj, list_all
-from vramshare.kube.objects import GpuDevice, GpuReservation
+from vramshare.kube.objects import GpuDevice, GpuReservation, remove_finalizer
 from vramshare.kube.resources import (
     ANNOTATION_LEDGER,
     ANNOTATION_REINVOKED,
+    FINALIZER_POD_GONE,
     LABEL_ACTIVE,
     LABEL_COMMITTED,
     LABEL_GPU,
@@ -712,6 +713,14 @@ class KubeLedger:
                 )
                 log.info("placement withdrawn; the entry is back in the queue", reservation=created.key)
                 return True
+            if created.waits_for_pod_gone:
+                # Its pod will never exist: nothing to wait for. Without this a deleted booking would
+                # stay (and count) until the controller saw it ended.
+                self.on_write("gpureservations", "patch")
+                await asyncio.wait_for(
+                    self.kube.json_patch(path, remove_finalizer(created.meta, FINALIZER_POD_GONE)),
+                    WITHDRAW_TIMEOUT_S,
+                )
             self.on_write("gpureservations", "delete")
             await asyncio.wait_for(self.kube.delete(path), WITHDRAW_TIMEOUT_S)
             return True

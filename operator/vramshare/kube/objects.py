@@ -19,6 +19,7 @@ from vramshare.domain.inventory import DeviceState
 from vramshare.domain.models import MigInstance, mig_summary
 from vramshare.kube.resources import (
     API_VERSION,
+    FINALIZER_POD_GONE,
     LABEL_ACTIVE,
     LABEL_COMMITTED,
     LABEL_GPU,
@@ -73,6 +74,9 @@ class Meta:
     labels: Mapping[str, str] = field(default_factory=dict)
     annotations: Mapping[str, str] = field(default_factory=dict)
     owners: tuple[OwnerRef, ...] = ()
+    finalizers: tuple[str, ...] = ()
+    deleting: bool = False
+    """Its deletion was requested (deletionTimestamp set); finalizers keep it until they are removed."""
 
     @classmethod
     def from_wire(cls, obj: Obj) -> Self:
@@ -86,6 +90,8 @@ class Meta:
             labels=dict(obj.get("labels") or {}),
             annotations=dict(obj.get("annotations") or {}),
             owners=tuple(OwnerRef.from_wire(o) for o in obj.get("ownerReferences") or []),
+            finalizers=tuple(str(f) for f in obj.get("finalizers") or []),
+            deleting=bool(obj.get("deletionTimestamp")),
         )
 
     def to_wire(self) -> Obj:
@@ -98,7 +104,22 @@ class Meta:
             out["annotations"] = dict(self.annotations)
         if self.owners:
             out["ownerReferences"] = [o.to_wire() for o in self.owners]
+        if self.finalizers:
+            out["finalizers"] = list(self.finalizers)
         return out
+
+
+def remove_finalizer(meta: Meta, finalizer: str) -> list[Obj]:
+    """A JSON patch that removes `finalizer` from an object whose metadata was read as `meta`; it
+    fails (422, its test op) if the list changed meanwhile, rather than remove someone else's."""
+    at = meta.finalizers.index(finalizer)
+    where = f"/metadata/finalizers/{at}"
+    return [{"op": "test", "path": where, "value": finalizer}, {"op": "remove", "path": where}]
+
+
+def add_finalizer(meta: Meta, finalizer: str) -> Obj:
+    """The metadata of a merge patch that adds `finalizer`, conditional on the version read."""
+    return {"resourceVersion": meta.resource_version, "finalizers": [*meta.finalizers, finalizer]}
 
 
 # -- GpuReservation -----------------------------------------------------------------------------
@@ -252,8 +273,10 @@ class GpuReservation:
             labels[LABEL_SET] = set_name
         if queued:  # a queue head's hold (see vramshare.controller.queue)
             labels[LABEL_QUEUED] = "true"
+        # A hold has no pod: nothing to wait for when it is deleted.
+        finalizers = () if held_for else (FINALIZER_POD_GONE,)
         return GpuReservation(
-            meta=Meta(name=name, namespace=namespace, labels=labels),
+            meta=Meta(name=name, namespace=namespace, labels=labels, finalizers=finalizers),
             spec=ReservationSpec(
                 pod_name=pod,
                 memory_mib=mib,
@@ -280,6 +303,7 @@ class GpuReservation:
                     LABEL_QUEUED: "true",
                     "app.kubernetes.io/managed-by": "vramshare",
                 },
+                finalizers=(FINALIZER_POD_GONE,),  # its pod exists, and once placed it books memory
             ),
             spec=ReservationSpec(
                 pod_name=pod, memory_mib=mib, admission_uid=admission_uid, admitted_user=user
@@ -345,6 +369,12 @@ class GpuReservation:
     def queue_entry(self) -> bool:
         """Made for a pod that waits in the queue (entries made before the label: by their status)."""
         return self.meta.labels.get(LABEL_QUEUED) == "true" or self.status.phase is ReservationPhase.QUEUED
+
+    @property
+    def waits_for_pod_gone(self) -> bool:
+        """Carries vramshare's finalizer: once deleted, it stays (and counts) until the controller has
+        seen its pod terminate."""
+        return FINALIZER_POD_GONE in self.meta.finalizers
 
     @property
     def labelled_active(self) -> bool:

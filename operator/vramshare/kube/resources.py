@@ -46,6 +46,12 @@ MEMORY_RESOURCE = "vramshare.io/gpu-mem-mib"
 advertises in each GPU node's capacity: ResourceQuota, the scheduler and Kueue count GPU memory by it."""
 ANNOTATION_REINVOKED = "vramshare.io/reinvoked-by"
 """On reservations: the request UID of the one reinvocation that took the booking up."""
+FINALIZER_POD_GONE = "vramshare.io/pod-terminated"
+"""On every booking made for a pod (not on holds, which have none): a deleted booking keeps counting
+until its pod has terminated. Deleting a namespace deletes its GpuReservations at once, and foreground
+deletion of a pod deletes them through the ownerReference, both while the pod may still be terminating
+and holding GPU memory; the controller removes this finalizer once the booking has ended (its pod gone
+or finished, or never seen within the TTL)."""
 ANNOTATION_LEDGER = "vramshare.io/last-reservation"
 """On GpuDevices: bumped by every committed reservation; the optimistic-concurrency token."""
 

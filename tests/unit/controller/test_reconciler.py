@@ -178,3 +178,62 @@ async def test_a_late_pod_on_a_gpu_booked_full_since_is_said_to_overbook_it() ->
         assert "is now booked 2224 MiB past what it can hold" in event["message"]
         assert "vramshare evicts nothing" in event["message"]
         assert reconciler.metrics.overbooked_by_late_pods._value.get() == 1  # type: ignore[attr-defined]
+
+
+async def test_a_deleted_booking_stays_until_its_pod_is_gone_then_goes_at_once() -> None:
+    """Issue #30, 5: its namespace deleted while the pod terminates (the API server marks the booking
+    deleted; vramshare's finalizer keeps it). It still counts while the pod is there, one event says
+    why it is still there, and it goes the moment the pod's deletion is seen."""
+    async with setup() as (kube, reconciler):
+        pod = await add_pod(kube, "task", created=NOW + 1)
+        await fed()
+        await reconciler.sweep(presence=PRESENT)
+        assert status(kube)["phase"] == "Bound"
+        await kube.delete(PATH)  # a namespace deletion, or the pod's foreground deletion
+        assert kube.objects[PATH]["metadata"]["deletionTimestamp"]
+        await fed()
+        for _ in range(3):
+            await reconciler.sweep(presence=PRESENT)
+            await fed()
+        assert PATH in kube.objects
+        assert status(kube)["phase"] == "Bound"
+        waits = [e for e in events(kube) if e["reason"] == "ReleaseWaitsForPod"]
+        assert len(waits) == 1
+        assert "4096 MiB on GPU-a stay booked until pod task has terminated" in waits[0]["message"]
+        await kube.delete("/api/v1/namespaces/jobs/pods/task")
+        await reconciler.pod_changed(pod, deleted=True, presence=PRESENT)
+        assert PATH not in kube.objects
+
+
+async def test_a_reservation_event_for_a_deleted_booking_whose_pod_is_gone_lets_it_go() -> None:
+    """The pod went first (background deletion), then the garbage collector deleted the booking: the
+    deletion's own event brings the look, not the next sweep."""
+    async with setup() as (kube, reconciler):
+        pod = await add_pod(kube, "task", created=NOW + 1)
+        await fed()
+        await reconciler.sweep(presence=PRESENT)
+        await kube.delete("/api/v1/namespaces/jobs/pods/task")
+        await reconciler.pod_changed(pod, deleted=True, presence=PRESENT)
+        assert status(kube)["phase"] == "Released"
+        deleted = await kube.delete(PATH)
+        reconciler.reservation_seen(deleted, presence=lambda: PRESENT)
+        for _ in range(20):
+            if PATH not in kube.objects:
+                break
+            await asyncio.sleep(0.01)
+        assert PATH not in kube.objects
+
+
+async def test_cleanup_after_retention_removes_the_finalizer_and_deletes() -> None:
+    now = [NOW]
+    async with setup(now=now) as (kube, reconciler):
+        pod = await add_pod(kube, "task", created=NOW + 1)
+        await fed()
+        await reconciler.sweep(presence=PRESENT)
+        pod["status"]["phase"] = "Succeeded"
+        await reconciler.pod_changed(pod, deleted=False, presence=PRESENT)
+        assert status(kube)["phase"] == "Released"
+        now[0] += reconciler.settings.retention_s + 1
+        await fed()
+        await reconciler.sweep(presence=PRESENT)
+        assert PATH not in kube.objects

@@ -9,7 +9,7 @@ from vramshare.controller.devices import conditions
 from vramshare.controller.reservations import plan, pod_sighting
 from vramshare.domain import PodSighting, PodState, ReservationPhase
 from vramshare.kube.objects import GpuReservation
-from vramshare.kube.resources import format_time
+from vramshare.kube.resources import FINALIZER_POD_GONE, format_time
 
 
 def sighting(state: PodState = PodState.ACTIVE) -> PodSighting:
@@ -22,7 +22,13 @@ POD = sighting()
 
 
 def obj(
-    phase: str | None = None, *, age: float = 10, owners: list[Any] | None = None, **status: Any
+    phase: str | None = None,
+    *,
+    age: float = 10,
+    owners: list[Any] | None = None,
+    finalizers: tuple[str, ...] = (FINALIZER_POD_GONE,),
+    deleted: bool = False,
+    **status: Any,
 ) -> dict[str, Any]:
     return {
         "metadata": {
@@ -31,6 +37,8 @@ def obj(
             "resourceVersion": "7",
             "creationTimestamp": format_time(NOW - age),
             "ownerReferences": owners or [],
+            "finalizers": list(finalizers),
+            **({"deletionTimestamp": format_time(NOW - 1)} if deleted else {}),
         },
         "spec": {
             "podName": "task",
@@ -259,3 +267,76 @@ def test_a_hold_shows_as_held_and_lapses_after_its_limit() -> None:
     assert lapsed.transition is not None
     assert lapsed.transition.reason == "HoldLapsed"
     assert lapsed.active_label == "false"
+
+
+# -- deletion before the pod is gone (issue #30, 5) ------------------------------------------------
+
+
+def test_a_booking_without_the_finalizer_gets_it_once_it_counts() -> None:
+    """Bookings made before the finalizer existed (an upgrade) or by hand get it, in the same write as
+    the owner where there is one."""
+    p = make(obj(finalizers=()))
+    assert p.finalizer == "add"
+    assert p.owner == POD
+    bound = make(obj("Bound", owners=[{"uid": "uid-1"}], podUID="uid-1", finalizers=("other.io/x",)))
+    assert bound.finalizer == "add"
+    ended = make(obj("Released", finalizers=(), podUID="uid-1"), None)
+    assert ended.finalizer is None  # nothing left to wait for
+
+
+def test_a_hold_never_gets_the_finalizer() -> None:
+    o = obj(finalizers=())
+    o["metadata"]["labels"] = {"vramshare.io/held-for": "task-key"}
+    assert make(o, None).finalizer is None
+
+
+def test_a_deleted_booking_whose_pod_still_runs_stays_and_counts() -> None:
+    """Its namespace was deleted, or its pod deleted in the foreground: the pod is terminating, its
+    containers may still hold the memory."""
+    p = make(obj("Bound", owners=[{"uid": "uid-1"}], podUID="uid-1", deleted=True))
+    assert p.finalizer is None
+    assert p.deletion_waits
+    assert p.transition is None
+    assert not p.delete
+
+
+def test_a_deleted_booking_is_let_go_once_its_pod_is_gone_or_finished() -> None:
+    gone = make(obj("Bound", owners=[{"uid": "uid-1"}], podUID="uid-1", deleted=True), None)
+    assert gone.finalizer == "remove"
+    assert gone.transition is not None
+    assert gone.transition.reason == "PodDeleted"
+    assert gone.status is None  # nothing written to an object about to go
+    finished = make(
+        obj("Bound", owners=[{"uid": "uid-1"}], podUID="uid-1", deleted=True), sighting(PodState.FINISHED)
+    )
+    assert finished.finalizer == "remove"
+    assert finished.event is not None
+    assert finished.event.reason == "GpuReleased"
+    already = make(obj("Released", podUID="uid-1", deleted=True), None)
+    assert already.finalizer == "remove"
+    assert not already.empty
+
+
+def test_a_deleted_booking_whose_pod_never_came_waits_for_the_ttl() -> None:
+    """Its pod may still be on its way to being stored; ending it early could leave a pod unbooked."""
+    early = make(obj(age=10, deleted=True), None)
+    assert early.finalizer is None
+    assert early.deletion_waits
+    late = make(obj(age=400, deleted=True), None)
+    assert late.finalizer == "remove"
+    assert late.transition is not None
+    assert late.transition.reason == "PodNeverCreated"
+
+
+def test_a_deleted_reserved_booking_records_its_pod() -> None:
+    p = make(obj(deleted=True))
+    assert p.status is not None
+    assert p.status.pod_uid == "uid-1"
+    assert p.deletion_waits
+    assert p.finalizer is None
+    assert p.owner is None  # no new owner on an object being deleted
+
+
+def test_a_deleted_object_without_the_finalizer_is_left_to_go() -> None:
+    p = make(obj("Released", podUID="uid-1", deleted=True, finalizers=()), None)
+    assert p.empty

@@ -470,7 +470,10 @@ async def test_withdrawing_a_hold_never_holds_up_the_answer() -> None:
     deadline, which then answered Late while the booking stood (issue #30, 6)."""
     kube = await cluster()
     ledger = KubeLedger(kube)  # type: ignore[arg-type]
-    await kube.create(reservations_path("jobs"), booking().to_wire())
+    hold = GpuReservation.new(
+        name="task-1", namespace="jobs", pod="task", mib=4096, gpu=GPU, admission_uid="u1", held_for="k"
+    )
+    await kube.create(reservations_path("jobs"), hold.to_wire())
     released = asyncio.Event()
     slow_delete = kube.delete
 
