@@ -131,9 +131,16 @@ def _peak_rss_mib(pid: int) -> float:
 
 
 def _clean(cluster: LocalCluster, namespaces: list[str]) -> None:
+    """Delete every pod and booking, and wait until the controller has let the bookings go (each waits
+    for its pod to be gone: vramshare's finalizer), so the next round starts on an empty ledger."""
     for ns in namespaces:
         cluster.kubectl("delete", "pods", "--all", "-n", ns, "--wait=false", "--grace-period=0", "--force")
         cluster.kubectl("delete", "gpureservations", "--all", "-n", ns, "--wait=false")
+    cluster.wait_for(
+        lambda: not cluster.kubectl("get", "gpureservations", "-A", "-o", "name").split(),
+        what="every booking gone",
+        timeout_s=120,
+    )
 
 
 def _rss_mib(pid: int) -> float:

@@ -48,6 +48,15 @@ broke (issue #30, 1), and `WatchCache` now rules out, each reproduced against th
   the unplaced one, and the next queue pass planned a second pod onto the GPU. An item is now never
   replaced by an older version of itself (each item's resourceVersion is kept).
 
+**A booking ends when its pod does, not when its object is deleted** (issue #30, 5). Deleting a
+namespace deletes its GpuReservations at once, and foreground deletion of a pod deletes its booking
+through the ownerReference first, both while the pod may still be terminating with the memory in use:
+the ledger lost the booking of a pod that still held the GPU. Every booking made for a pod is created
+with the finalizer `vramshare.io/pod-terminated`, so a deleted one stays in every view, with its phase,
+and counts until the controller has seen its pod gone or finished (or, with no pod, the TTL pass) and
+removes it. A booking this process withdraws (its pod will never exist) has the finalizer removed
+before it is deleted, so it stops counting at once, as before.
+
 **Refusals** are decided on a consistent read (a quorum LIST of both kinds), never on the cache, so a
 pod is not refused on a view that missed released memory or a new GPU. Concurrent refusals share one
 such read, as long as it started after they arrived.
