@@ -566,9 +566,12 @@ def terminating_pod(name: str, mib: int) -> client.V1Pod:
     return pod
 
 
-def keeps_counting(stack: LocalCluster, core: client.CoreV1Api, *, namespace: str, pod: client.V1Pod) -> str:
+def keeps_counting(
+    stack: LocalCluster, core: client.CoreV1Api, *, namespace: str, pod: client.V1Pod, event: bool = True
+) -> str:
     """Wait until the pod is terminating and its booking deleted, then check for 4 s (four lifecycle
-    sweeps) that the booking stays, Bound, counted in its GPU's reserved memory; returns its name."""
+    sweeps) that the booking stays, Bound, counted in its GPU's reserved memory, and (`event`) that an
+    event says why; returns its name. A namespace being deleted takes no new events."""
     name = pod.metadata.annotations[ANNOTATION_RESERVATION]
     uuid = pod.metadata.annotations[ANNOTATION_GPU_UUID]
     mib = int(pod.metadata.annotations["gpu-mem-mb"])
@@ -586,6 +589,8 @@ def keeps_counting(stack: LocalCluster, core: client.CoreV1Api, *, namespace: st
         assert res["status"]["phase"] == "Bound", res["status"]
         assert devices(stack)[uuid]["status"]["reservedMiB"] >= mib
         time.sleep(0.5)
+    if not event:
+        return name
     messages = [e.message for e in events_for(core, namespace, name) if e.reason == "ReleaseWaitsForPod"]
     assert messages, "no ReleaseWaitsForPod event"
     assert f"stay booked until pod {pod.metadata.name} has terminated" in messages[0], messages
@@ -609,8 +614,12 @@ def gone_after_the_pod(
 def test_a_deleted_namespace_keeps_its_bookings_until_its_pods_are_gone(
     stack: LocalCluster, core: client.CoreV1Api
 ) -> None:
-    """Deleting a namespace deletes its GpuReservations at once; its pods may still be terminating,
-    with their GPU memory in use. Before: the booking was gone at once."""
+    """Before Kubernetes 1.33 (KEP-5080, ordered namespace deletion: beta and on by default in 1.33,
+    GA in 1.34) the namespace controller deleted every resource of a namespace at once, pods and
+    GpuReservations together, while the pods could still be terminating with their GPU memory in use.
+    This control plane (1.37) deletes the pods first and the rest once they are gone, so the test does
+    by hand what the older namespace controller did: delete the namespace's GpuReservations as well.
+    Before: the booking was gone at once."""
     ns = "doomed"
     stack.kubectl("create", "namespace", ns)
     stack.kubectl("label", "namespace", ns, "vramshare-e2e/shard=ctl")
@@ -618,7 +627,16 @@ def test_a_deleted_namespace_keeps_its_bookings_until_its_pods_are_gone(
     res = pod.metadata.annotations[ANNOTATION_RESERVATION]
     eventually(lambda: reservation(stack, res, ns).get("status", {}).get("phase") == "Bound", what="Bound")
     core.delete_namespace(ns)
-    keeps_counting(stack, core, namespace=ns, pod=pod)
+    # 1.37's namespace controller leaves the booking alone while the pod is there (ordered deletion)...
+    eventually(
+        lambda: core.read_namespaced_pod("still-running", ns).metadata.deletion_timestamp,
+        what="the pod terminating",
+    )
+    time.sleep(2)
+    assert not reservation(stack, res, ns)["metadata"].get("deletionTimestamp")
+    # ...an older one deleted it with everything else at once.
+    stack.kubectl("delete", "gpureservations", "--all", "-n", ns, "--wait=false")
+    keeps_counting(stack, core, namespace=ns, pod=pod, event=False)
     took = gone_after_the_pod(stack, core, namespace=ns, pod="still-running", res=res)
     eventually(
         lambda: "NotFound" in stack.kubectl("get", "namespace", ns, check=False),
