@@ -81,6 +81,10 @@ plugin: venv ## The kubectl plugin as krew ships it: dist/kubectl-vramshare-v<ve
 chart-docs: venv ## Regenerate charts/vramshare/README.md from the comments in values.yaml
 	$(BIN)/python -m vramshare_e2e.chart_docs
 
+.PHONY: bench-controller
+bench-controller: venv tools ## What 5000 churning ordinary pods cost the controller (CPU, memory, Lease, release and expiry lag) vs none
+	$(BIN)/python -m vramshare_e2e.bench_controller --out bench/results
+
 .PHONY: bench-packing
 bench-packing: venv ## Packing quality of vramshare vs Kaapana-like, whole-GPU and time-slicing (simulated)
 	$(BIN)/python -m vramshare_e2e.bench_packing --out bench/results

@@ -14,7 +14,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from vramshare.kube.resources import API_VERSION, MEMORY_RESOURCE, device_name, format_time_precise
+from vramshare.kube.resources import (
+    API_VERSION,
+    FINALIZER_POD_GONE,
+    MEMORY_RESOURCE,
+    device_name,
+    format_time_precise,
+)
 from vramshare_e2e.cluster import Component, LocalCluster, eventually, free_port, http_ok
 from vramshare_e2e.fleet import Fleet
 
@@ -215,6 +221,6 @@ def bare_booking(
     return {
         "apiVersion": "vramshare.io/v1alpha1",
         "kind": "GpuReservation",
-        "metadata": {"name": name, "namespace": namespace},
+        "metadata": {"name": name, "namespace": namespace, "finalizers": [FINALIZER_POD_GONE]},
         "spec": {"podName": pod, "memoryMiB": mib, "nodeName": node, "gpuUUID": uuid, "gpuIndex": index},
     }

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from vramshare_e2e import bench_admission, bench_packing
+from vramshare_e2e import bench_admission, bench_controller, bench_packing
 
 
 def test_packing_smoke(tmp_path: Path) -> None:
@@ -94,3 +94,20 @@ def test_admission_smoke(tmp_path: Path) -> None:
         assert all(v > 0 for v in scale["webhook_rss_mib"].values())
         assert scale["controller_rss_mib"] > 0
     assert all(v > 0 for v in report["decision_curve"]["ms"].values())
+
+
+@pytest.mark.cluster
+def test_controller_churn_smoke(tmp_path: Path) -> None:
+    """Both phases run on one control plane, and in each every booking ended: the GPU pods' bookings
+    Released, the bookings without a pod Expired (the lags are printed, never asserted)."""
+    report = bench_controller.run(smoke=True, pods=300, out=tmp_path, show=print)
+    assert json.loads((tmp_path / "controller-smoke.json").read_text()) == report
+    for phase in ("baseline", "churn"):
+        r = report[phase]
+        assert r["gpu_pods"] > 0, phase
+        assert r["not_ended"] == 0, (phase, r)
+        assert r["release_lag"]["count"] == r["gpu_pods"], (phase, r)
+        assert r["expiry_lag"]["count"] == r["bookings_without_pod"], (phase, r)
+        assert r["controller_cpu_cores"] > 0, phase
+    assert report["churn"]["ordinary_pods"] == 300
+    assert report["churn"]["ordinary_pods_replaced"] > 0

@@ -72,7 +72,7 @@ async def test_an_event_older_than_this_processs_own_write_does_not_replace_it(k
     cache.synced.set()
     cache.put(key, "3", resource_version=v3["metadata"]["resourceVersion"])
     seen: list[str | None] = []
-    cache.on_change(lambda k, item: seen.append(item) if k == key else None)
+    cache.on_change(lambda k, item, _before: seen.append(item) if k == key else None)
     async with running(cache):
         assert await cache.wait_for(version(v3), timeout_s=10)
     assert version(v2) < version(v3)

@@ -22,14 +22,15 @@ from vramshare.airflow_pools import AirflowPools
 from vramshare.controller.devices import InventoryLoop
 from vramshare.controller.leader import LeadershipLostError, LeaseElector
 from vramshare.controller.metrics import ControllerMetrics
+from vramshare.controller.pod_events import PodEvents
 from vramshare.controller.pools import PoolSync
 from vramshare.controller.queue import QueueLoop
 from vramshare.controller.reservations import ReservationReconciler
 from vramshare.controller.settings import ControllerSettings
 from vramshare.controller.state import ClusterState
-from vramshare.kube.client import Connection, KubeClient
+from vramshare.kube.client import Connection, KubeClient, Obj
 from vramshare.kube.ledger import KubeLedger
-from vramshare.kube.resources import GROUP, LABEL_RESERVATION, RESERVATIONS, VERSION
+from vramshare.kube.resources import GROUP, RESERVATIONS, VERSION
 from vramshare.prometheus import DcgmSource
 from vramshare.settings import SettingsError
 
@@ -39,8 +40,9 @@ log = structlog.get_logger("vramshare.controller")
 def kopf_registry(
     inventory: InventoryLoop, reconciler: ReservationReconciler, queue: QueueLoop
 ) -> kopf.OperatorRegistry:
-    """kopf watches the pods vramshare admitted and hands every change to the reconciler at once; a
-    change to a pod or a reservation also wakes the queue (memory may have freed up)."""
+    """kopf watches the reservations and hands every change to the reconciler at once; it also
+    wakes the queue (memory may have freed up). Pods come from the controller's own server-side
+    filtered watch (PodEvents), not from kopf, whose label filters are applied on the client."""
     registry = kopf.OperatorRegistry()
 
     @kopf.on.startup(registry=registry)
@@ -50,19 +52,20 @@ def kopf_registry(
 
     @kopf.on.login(registry=registry)
     def login(**kwargs: Any) -> Any:
+        # With a kubeconfig named in the settings, read it now: the kubernetes client fixed its
+        # default path ($KUBECONFIG) when it was imported, before main() set the variable, so its
+        # loader found no configuration and kopf never logged in (its handlers never ran).
+        if os.environ.get("KUBECONFIG"):
+            return kopf.login_with_kubeconfig(**kwargs)
         return kopf.login_via_client(**kwargs)
-
-    @kopf.on.event("pods", labels={LABEL_RESERVATION: kopf.PRESENT}, registry=registry)
-    async def pod_changed(**event: Any) -> None:
-        await reconciler.pod_changed(
-            dict(event["body"]), deleted=event["type"] == "DELETED", presence=inventory.presence
-        )
-        queue.wake()
 
     # Every reservation, so that a booking whose pod never appears is looked at again the moment its
     # TTL runs out (not at the next sweep), and a deleted one goes the moment its pod is gone.
+    # async: kopf runs a plain function in a worker thread, where the reconciler could not arm its
+    # timers (no running loop: every booking then waited for the next sweep, up to 10 s past its TTL)
+    # nor wake the queue safely.
     @kopf.on.event(GROUP, VERSION, RESERVATIONS, registry=registry)
-    def reservation_changed(**event: Any) -> None:
+    async def reservation_changed(**event: Any) -> None:
         if event["type"] != "DELETED":
             reconciler.reservation_seen(dict(event["body"]), presence=lambda: inventory.presence)
         queue.wake()
@@ -155,6 +158,12 @@ async def lead(
     re-raise why (LeadershipLostError above all). `pools`: the optional Airflow pool sync."""
     stop = asyncio.Event()
 
+    async def pod_changed(pod: Obj, deleted: bool) -> None:
+        await reconciler.pod_changed(pod, deleted=deleted, presence=inventory.presence)
+        queue.wake()
+
+    pod_events = PodEvents(state.pods, handle=pod_changed)
+
     async def loops() -> None:
         await state.wait_synced()
         log.info(
@@ -175,6 +184,7 @@ async def lead(
     tasks = [
         asyncio.create_task(elector.hold(), name="lease"),
         asyncio.create_task(state.run(), name="state"),
+        asyncio.create_task(pod_events.run(), name="pod-events"),
         asyncio.create_task(queue.ledger.run(), name="ledger"),
         asyncio.create_task(loops(), name="loops"),
         asyncio.create_task(

@@ -326,7 +326,9 @@ class ReservationReconciler:
     def reservation_seen(self, obj: Obj, *, presence: Callable[[], GpuPresence]) -> None:
         """A reservation was created or changed: while it waits for its pod, look again at its TTL, so
         a booking whose pod never appears stops counting on time, not at the next sweep."""
-        res = GpuReservation.from_wire(obj)
+        self._arm(GpuReservation.from_wire(obj), presence=presence)
+
+    def _arm(self, res: GpuReservation, *, presence: Callable[[], GpuPresence]) -> None:
         key = (res.namespace, res.name)
         if res.meta.deleting and res.waits_for_pod_gone:
             # Deleted: look now whether its pod is gone, so it (and its namespace) go without waiting
@@ -365,6 +367,11 @@ class ReservationReconciler:
                 f"/api/v1/namespaces/{key[0]}/pods", label_selector=f"{LABEL_RESERVATION}={res.pod_label}"
             )
             await self.reconcile(res, pods.get("items", []), presence=presence)
+            early = self.clock() - (res.meta.created_at or 0.0) < self.settings.reservation_ttl_s
+            if early and not pods.get("items") and not res.meta.deleting:
+                # Looked at a moment early (the API server's clock is estimated to within about half
+                # a second): look again when it is due, not at the next sweep.
+                self._arm(res, presence=lambda: presence)
         except Exception as exc:  # the sweep catches it later
             log.warning("reservation check failed", reservation=f"{key[0]}/{key[1]}", error=str(exc))
 
@@ -415,7 +422,12 @@ class ReservationReconciler:
             )
             if listed.get("items"):  # the cache was behind: decide on what is really there
                 return await self.reconcile(res, listed["items"], presence=presence)
-        await self._apply(res, pod=pod, the_plan=the_plan, now=now)
+        if not await self._apply(res, pod=pod, the_plan=the_plan, now=now):
+            # It changed under us (another write of ours, or someone else's): look again on a fresh
+            # read now, rather than leave a due transition to the next sweep.
+            if the_plan.transition is not None or the_plan.finalizer == "remove":
+                self._spawn(self._look_again((res.namespace, res.name), presence))
+            return False
         if the_plan.transition is not None:
             self.metrics.transitions.labels(the_plan.transition.phase.value, the_plan.transition.reason).inc()
         if the_plan.transition is not None or the_plan.delete:
@@ -555,10 +567,10 @@ class ReservationReconciler:
 
     async def _apply(
         self, res: GpuReservation, *, pod: PodSighting | None, the_plan: Plan, now: float
-    ) -> None:
+    ) -> bool:
         """Carry out a plan made from `res`; nothing happens if `res` changed meanwhile (a pod event and
         a sweep may plan the same change: the precondition lets exactly one of them act and post the
-        event)."""
+        event). False when it had changed (or was gone)."""
         path = reservations_path(res.namespace, res.name)
         version = res.meta.resource_version
         try:
@@ -568,7 +580,7 @@ class ReservationReconciler:
                     version = patched["metadata"]["resourceVersion"]
                 if the_plan.delete:
                     await self.kube.delete(path, resource_version=version)
-                    return
+                    return True
             metadata: dict[str, object] = {}
             if the_plan.finalizer == "add":  # in the same write as the owner, when there is one
                 metadata = add_finalizer(res.meta, FINALIZER_POD_GONE)
@@ -605,10 +617,10 @@ class ReservationReconciler:
             # Deleted or changed meanwhile (a finalizer list that moved fails its test op: 422): the
             # next look decides again.
             if exc.not_found or exc.conflict or exc.status == 422:
-                return
+                return False
             raise
         if the_plan.event is None:
-            return
+            return True
         if the_plan.event_on_reservation:
             involved = Involved(
                 api_version=API_VERSION,
@@ -622,7 +634,7 @@ class ReservationReconciler:
                 api_version="v1", kind="Pod", name=pod.name, uid=pod.uid, namespace=res.namespace
             )
         else:
-            return
+            return True
         await post_event(
             self.kube,
             namespace=res.namespace,
@@ -631,3 +643,4 @@ class ReservationReconciler:
             now=now,
             reporter=self.settings.identity,
         )
+        return True

@@ -224,7 +224,7 @@ class KubeLedger:
         self.consistent_reads = 0
         self.catch_up_waits = 0
 
-    def _changed(self, key: str, reservation: Reservation | None) -> None:
+    def _changed(self, key: str, reservation: Reservation | None, _previous: Reservation | None) -> None:
         before = self.index.get(key)
         self.index.put(key, reservation)
         ended = reservation is None or not reservation.is_active

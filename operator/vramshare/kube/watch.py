@@ -81,10 +81,10 @@ class WatchCache(Generic[T]):
         """True while a watch stream is open: the cache follows the API server live."""
         self.relists = 0
         self._progress = asyncio.Condition()
-        self._on_change: list[Callable[[str, T | None], None]] = []
+        self._on_change: list[Callable[[str, T | None, T | None], None]] = []
 
-    def on_change(self, callback: Callable[[str, T | None], None]) -> None:
-        """Call `callback(key, item or None when deleted)` for every change the stream brings."""
+    def on_change(self, callback: Callable[[str, T | None, T | None], None]) -> None:
+        """Call `callback(key, item or None when deleted, the item before)` for every change."""
         self._on_change.append(callback)
 
     async def run(self) -> None:
@@ -143,15 +143,15 @@ class WatchCache(Generic[T]):
             if (key in self._own_pending and key not in items) or newer:
                 items[key] = item
                 versions[key] = self._versions.get(key, 0)
-        gone = set(self.items) - set(items)
+        before = self.items
         self.items = items
         self._versions = versions
         self._own_pending = {k for k in self._own_pending if k in items and k not in server}
         self.resource_version = listed
-        for key in gone:
-            self._notify(key, None)
+        for key in set(before) - set(items):
+            self._notify(key, None, before[key])
         for key, item in items.items():
-            self._notify(key, item)
+            self._notify(key, item, before.get(key))
         self.synced.set()
         await self._advance()
 
@@ -178,22 +178,23 @@ class WatchCache(Generic[T]):
                     self.stale_events += 1  # older than this process's own write of it
                 else:
                     item = self.decode(obj)
+                    previous = self.items.get(key)
                     self.items[key] = item
                     self._versions[key] = version(obj)
                     self._own_pending.discard(key)
-                    self._notify(key, item)
+                    self._notify(key, item, previous)
             elif kind == "DELETED":
                 key = key_of(obj)
-                self.items.pop(key, None)
+                previous = self.items.pop(key, None)
                 self._versions.pop(key, None)
                 self._own_pending.discard(key)
-                self._notify(key, None)
+                self._notify(key, None, previous)
             self.resource_version = max(self.resource_version, version(obj))
             await self._advance()
 
-    def _notify(self, key: str, item: T | None) -> None:
+    def _notify(self, key: str, item: T | None, previous: T | None) -> None:
         for callback in self._on_change:
-            callback(key, item)
+            callback(key, item, previous)
 
     async def _advance(self) -> None:
         async with self._progress:
@@ -217,19 +218,21 @@ class WatchCache(Generic[T]):
         written = int(resource_version or 0)
         if written and written < self._versions.get(key, 0):
             return  # the cache already holds a newer version (its event came first)
+        previous = self.items.get(key)
         self.items[key] = item
         if written:
             self._versions[key] = written
             self._own_pending.discard(key)
         else:
             self._own_pending.add(key)
-        self._notify(key, item)
+        self._notify(key, item, previous)
 
     def drop(self, key: str) -> None:
         self._versions.pop(key, None)
         self._own_pending.discard(key)
-        if self.items.pop(key, None) is not None:
-            self._notify(key, None)
+        previous = self.items.pop(key, None)
+        if previous is not None:
+            self._notify(key, None, previous)
 
 
 class _GoneError(Exception):

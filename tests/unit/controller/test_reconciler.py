@@ -138,6 +138,20 @@ async def test_a_booking_whose_pod_never_appears_expires_when_its_ttl_runs_out()
         assert (event["reason"], event["involvedObject"]["kind"]) == ("PodNeverCreated", "GpuReservation")
 
 
+async def test_a_look_that_came_early_is_taken_again_when_due_not_at_the_next_sweep() -> None:
+    """The timer is set on an estimate of the API server's clock; when it fires a moment before the
+    TTL has run out on that clock, the booking used to wait for the next sweep (10 s by default)."""
+    now = [NOW]
+    async with setup(ttl_s=0.2, now=now) as (kube, reconciler):
+        now[0] = NOW + 0.1  # when the timer fires, the server's clock says 0.1 s: not due yet
+        reconciler.reservation_seen(kube.objects[PATH], presence=lambda: PRESENT)
+        await asyncio.sleep(0.65)
+        assert status(kube).get("phase") == "Reserved"  # looked at, not due
+        now[0] = NOW + 0.3  # due now: the next look, 0.5 s after the early one, expires it
+        await asyncio.sleep(0.7)
+        assert (status(kube)["phase"], status(kube)["reason"]) == ("Expired", "PodNeverCreated")
+
+
 async def test_a_late_pod_revives_its_expired_booking() -> None:
     now = [NOW]
     async with setup(now=now) as (kube, reconciler):
