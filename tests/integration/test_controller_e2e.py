@@ -566,6 +566,12 @@ def terminating_pod(name: str, mib: int) -> client.V1Pod:
     return pod
 
 
+def counted(stack: LocalCluster, pod: client.V1Pod) -> None:
+    """Until the controller's published view of the pod's GPU counts its booking (a poll away)."""
+    uuid, mib = pod.metadata.annotations[ANNOTATION_GPU_UUID], int(pod.metadata.annotations["gpu-mem-mb"])
+    eventually(lambda: devices(stack)[uuid]["status"]["reservedMiB"] >= mib, what="the booking counted")
+
+
 def keeps_counting(
     stack: LocalCluster, core: client.CoreV1Api, *, namespace: str, pod: client.V1Pod, event: bool = True
 ) -> str:
@@ -626,6 +632,7 @@ def test_a_deleted_namespace_keeps_its_bookings_until_its_pods_are_gone(
     pod = core.create_namespaced_pod(ns, terminating_pod("still-running", 3000))
     res = pod.metadata.annotations[ANNOTATION_RESERVATION]
     eventually(lambda: reservation(stack, res, ns).get("status", {}).get("phase") == "Bound", what="Bound")
+    counted(stack, pod)
     core.delete_namespace(ns)
     # 1.37's namespace controller leaves the booking alone while the pod is there (ordered deletion)...
     eventually(
@@ -654,6 +661,7 @@ def test_foreground_deletion_of_a_pod_keeps_its_booking_until_the_pod_is_gone(
     pod = core.create_namespaced_pod("jobs", terminating_pod("foreground", 3000))
     res = pod.metadata.annotations[ANNOTATION_RESERVATION]
     eventually(lambda: phase_of(stack, res) == "Bound", what="Bound")
+    counted(stack, pod)
     core.delete_namespaced_pod("foreground", "jobs", propagation_policy="Foreground")
     keeps_counting(stack, core, namespace="jobs", pod=pod)
     took = gone_after_the_pod(stack, core, namespace="jobs", pod="foreground", res=res)
