@@ -148,20 +148,22 @@ def _gpu_pod(name: str) -> dict[str, Any]:
     }
 
 
-def _plain_pod(name: str) -> dict[str, Any]:
+def _plain_pod(name: str, node: str) -> dict[str, Any]:
+    """An ordinary pod, bound to a node at creation: it runs (kwok makes it Running, with the status
+    writes a kubelet makes) without queueing in the scheduler ahead of the GPU pods being measured."""
     return {
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": {"name": name, "labels": {"app": "ordinary"}},
-        "spec": {"containers": [{"name": "web", "image": "example.invalid/web"}]},
+        "spec": {"nodeName": node, "containers": [{"name": "web", "image": "example.invalid/web"}]},
     }
 
 
 class Churn:
     """Keeps `count` ordinary pods, deleting the oldest and creating a new one `rate` times a second."""
 
-    def __init__(self, core: Any, namespace: str, *, names: list[str], rate: float) -> None:
-        self.core, self.namespace, self.names, self.rate = core, namespace, names, rate
+    def __init__(self, core: Any, namespace: str, *, names: list[str], nodes: list[str], rate: float) -> None:
+        self.core, self.namespace, self.names, self.nodes, self.rate = core, namespace, names, nodes, rate
         self.replaced = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -177,7 +179,9 @@ class Churn:
     def _one(self, old: str, new: str) -> None:
         try:
             self.core.delete_namespaced_pod(old, self.namespace, grace_period_seconds=0)
-            self.core.create_namespaced_pod(self.namespace, _plain_pod(new))
+            self.core.create_namespaced_pod(
+                self.namespace, _plain_pod(new, self.nodes[len(new) % len(self.nodes)])
+            )
             self.replaced += 1
         except client.ApiException:
             pass  # counted by `replaced` staying behind
@@ -254,7 +258,7 @@ def _phase(
         def ended() -> int:
             return len(mine & set(seen.ended))
 
-        deadline = time.monotonic() + TTL_S + LIFECYCLE_INTERVAL_S + 10
+        deadline = time.monotonic() + TTL_S + LIFECYCLE_INTERVAL_S + 30
         while time.monotonic() < deadline and ended() < len(mine):
             time.sleep(0.2)
     releases = [
@@ -277,15 +281,37 @@ def _phase(
         "lease_transitions": int(after_lease.get("leaseTransitions") or 0)
         - int(before_lease.get("leaseTransitions") or 0),
         "lease_holder_kept": after_lease.get("holderIdentity") == before_lease.get("holderIdentity"),
+        "gpu_pods_seen_succeeded": len(booked & set(seen.succeeded)),
         "release_lag": _quantiles(releases),
         "expiry_lag": _quantiles(expiries),
         "not_ended": len(mine) - ended(),
     }
 
 
+def _ordinary_nodes(cluster: LocalCluster, pods: int) -> list[str]:
+    """kwok nodes without GPUs for the ordinary pods (the GPU nodes take 250 pods each, as a kubelet's
+    default: there they would leave no room for the GPU pods measured)."""
+    names = [f"plain-node-{i}" for i in range(max(1, -(-pods // 200)))]
+    cluster.apply_objects(
+        [
+            {
+                "apiVersion": "v1",
+                "kind": "Node",
+                "metadata": {"name": name, "annotations": {"kwok.x-k8s.io/node": "fake"}},
+                "status": {
+                    "capacity": {"cpu": "32", "memory": "256Gi", "pods": "250"},
+                    "allocatable": {"cpu": "32", "memory": "256Gi", "pods": "250"},
+                },
+            }
+            for name in names
+        ]
+    )
+    return names
+
+
 def run(*, smoke: bool, pods: int, out: Path | None, show: Callable[[str], None] = print) -> dict[str, Any]:
     duration_s = 15.0 if smoke else 60.0
-    rate = max(1.0, pods / 100)  # the whole set replaced every 100 s
+    rate = max(1.0, pods / 200)  # the whole set replaced every 200 s: 25 pods a second for 5000
     with LocalCluster.start() as cluster:
         port = start_webhook(cluster, name="webhook", env={"VRAMSHARE_LOG_LEVEL": "warning"})[1]
         cluster.apply_objects([webhook_configuration(cluster, ports={"a": port})])
@@ -310,14 +336,22 @@ def run(*, smoke: bool, pods: int, out: Path | None, show: Callable[[str], None]
         show(json.dumps(baseline))
         show(f"creating {pods} ordinary pods")
         names = [f"ordinary-{i}" for i in range(pods)]
+        nodes = _ordinary_nodes(cluster, pods)
         started = time.monotonic()
         with ThreadPoolExecutor(max_workers=16) as pool:
-            list(pool.map(lambda n: core.create_namespaced_pod("ordinary", _plain_pod(n)), names))
+            list(
+                pool.map(
+                    lambda i: core.create_namespaced_pod(
+                        "ordinary", _plain_pod(names[i], nodes[i % len(nodes)])
+                    ),
+                    range(len(names)),
+                )
+            )
         show(
             f"{pods} ordinary pods created in {time.monotonic() - started:.1f} s; "
             f"churn {rate:g}/s for {duration_s:g} s"
         )
-        with Churn(core, "ordinary", names=names, rate=rate) as churn:
+        with Churn(core, "ordinary", names=names, nodes=nodes, rate=rate) as churn:
             loaded = _phase(
                 cluster=cluster, api=api, controller_pid=pid, namespace="gpu", duration_s=duration_s, tag="c"
             )

@@ -5,6 +5,8 @@ vouch for."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import copy
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -13,14 +15,22 @@ import pytest
 import pytest_asyncio
 
 from tests.unit.domain.builders import gpu
+from vramshare.controller.metrics import ControllerMetrics
+from vramshare.controller.queue import QueueLoop
+from vramshare.controller.settings import ControllerSettings
+from vramshare.controller.state import ClusterState
 from vramshare.domain import ReservationPhase
-from vramshare.kube.client import ApiError, Connection, KubeClient
+from vramshare.kube.client import ApiError, Connection, KubeClient, Obj
 from vramshare.kube.ledger import CommitConflictError, KubeLedger
 from vramshare.kube.objects import DeviceSpec, GpuDevice, GpuReservation
+from vramshare.kube.pods import PLACEMENT_WITHDRAWN, QUEUE_GATE
 from vramshare.kube.resources import (
+    ANNOTATION_GPU_UUID,
     ANNOTATION_LEDGER,
+    ANNOTATION_RESERVATION,
     LABEL_COMMITTED,
     LABEL_GPU,
+    LABEL_RESERVATION,
     device_name,
     devices_path,
     reservations_path,
@@ -36,6 +46,12 @@ UUID = "GPU-queue-ledger-0001"
 async def kube(cluster: LocalCluster) -> AsyncIterator[KubeClient]:
     async with KubeClient(Connection.load(kubeconfig=str(cluster.kubeconfig))) as client:
         yield client
+
+
+async def gone(kube: KubeClient, path: str) -> None:
+    """Delete a booking no controller here will let go: its finalizer removed first."""
+    await kube.merge_patch(path, {"metadata": {"finalizers": None}})
+    await kube.delete(path)
 
 
 async def test_a_queue_entry_is_placed_once_and_a_lost_race_puts_it_back_in_the_queue(
@@ -99,7 +115,7 @@ async def test_a_queue_entry_is_placed_once_and_a_lost_race_puts_it_back_in_the_
     finally:
         await kube.delete(devices_path(device_name(UUID)))
         for name in ("first", "second"):
-            await kube.delete(reservations_path(namespace, name))
+            await gone(kube, reservations_path(namespace, name))
 
 
 async def test_a_placement_stands_when_its_leader_stops_and_is_withdrawn_only_as_it_was_left(
@@ -157,4 +173,84 @@ async def test_a_placement_stands_when_its_leader_stops_and_is_withdrawn_only_as
         assert GpuReservation.from_wire(back).phase is ReservationPhase.QUEUED
     finally:
         await kube.delete(devices_path(device_name(UUID)))
-        await kube.delete(reservations_path(namespace, "stays"))
+        await gone(kube, reservations_path(namespace, "stays"))
+
+
+# -- the gate lift of a placement against the next leader (issue #30, 2), on the real API server ----
+
+
+async def _placed_entry_with_gated_pod(kube: KubeClient, namespace: str) -> tuple[GpuReservation, Obj]:
+    card = gpu(UUID, node="gpu-node-a", index=7, total=16_384)
+    entry = GpuReservation.queued(
+        name="task-ab12", namespace=namespace, pod="task", mib=4096, admission_uid="u"
+    )
+    placed = GpuReservation.from_wire(
+        await kube.create(reservations_path(namespace), entry.placed_on(card).to_wire())
+    )
+    pod = await kube.create(
+        f"/api/v1/namespaces/{namespace}/pods",
+        {
+            "metadata": {
+                "name": "task",
+                "labels": {LABEL_RESERVATION: "task-ab12"},
+                "annotations": {ANNOTATION_RESERVATION: "task-ab12"},
+            },
+            "spec": {"schedulingGates": [{"name": QUEUE_GATE}], "containers": [{"name": "c", "image": "x"}]},
+        },
+    )
+    return placed, pod
+
+
+def _leader(kube: KubeClient, name: str) -> QueueLoop:
+    return QueueLoop(
+        kube=kube,
+        ledger=KubeLedger(kube),
+        state=ClusterState(kube),
+        settings=ControllerSettings(identity=name),
+        metrics=ControllerMetrics(),
+    )
+
+
+@contextlib.asynccontextmanager
+async def two_leaders(cluster: LocalCluster) -> AsyncIterator[tuple[QueueLoop, QueueLoop]]:
+    """L1 and L2, each with a connection of its own, as two controller replicas in turn."""
+    connection = Connection.load(kubeconfig=str(cluster.kubeconfig))
+    async with KubeClient(connection) as k1, KubeClient(connection) as k2:
+        yield _leader(k1, "l1"), _leader(k2, "l2")
+
+
+async def test_a_placement_taken_back_is_not_released_by_the_leader_that_stalled(
+    cluster: LocalCluster, kube: KubeClient, namespace: str
+) -> None:
+    """L1 placed the entry and stalled with the pod's release on its way (read before L2 acted); L2
+    sees the placement unlabelled and takes it back. L1's release then arrives: it must not lift the
+    gate with the GPU nobody books for the pod any more."""
+    placed, pod = await _placed_entry_with_gated_pod(kube, namespace)
+    try:
+        async with two_leaders(cluster) as (l1, l2):
+            as_l1_read_it = copy.deepcopy(pod)
+            assert await l2._fence(placed, pod)  # L2 takes it back first ...
+            await l1._release(placed, as_l1_read_it)  # ... then L1's release arrives
+        now = await kube.get(f"/api/v1/namespaces/{namespace}/pods/task")
+        assert [g["name"] for g in now["spec"].get("schedulingGates") or []] == [QUEUE_GATE]
+        assert ANNOTATION_GPU_UUID not in now["metadata"]["annotations"]
+        assert now["metadata"]["annotations"][PLACEMENT_WITHDRAWN] == f"task-ab12@{placed.meta.generation}"
+    finally:
+        await gone(kube, reservations_path(namespace, "task-ab12"))
+
+
+async def test_a_release_that_got_there_first_stands_and_is_not_taken_back(
+    cluster: LocalCluster, kube: KubeClient, namespace: str
+) -> None:
+    placed, pod = await _placed_entry_with_gated_pod(kube, namespace)
+    try:
+        async with two_leaders(cluster) as (l1, l2):
+            as_l2_read_it = copy.deepcopy(pod)
+            await l1._release(placed, pod)
+            assert not await l2._fence(placed, as_l2_read_it)  # the pod no longer waits: L2 leaves it
+        now = await kube.get(f"/api/v1/namespaces/{namespace}/pods/task")
+        assert not now["spec"].get("schedulingGates")
+        assert now["metadata"]["annotations"][ANNOTATION_GPU_UUID] == UUID
+        assert PLACEMENT_WITHDRAWN not in now["metadata"]["annotations"]
+    finally:
+        await gone(kube, reservations_path(namespace, "task-ab12"))
