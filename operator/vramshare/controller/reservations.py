@@ -151,6 +151,17 @@ def _event(res: GpuReservation, transition: Transition) -> Event | None:
             return None
 
 
+def _involving(res: GpuReservation) -> Involved:
+    """The GpuReservation itself as an event's object (for what happens to it with no pod to tell)."""
+    return Involved(
+        api_version=API_VERSION,
+        kind="GpuReservation",
+        name=res.name,
+        uid=res.meta.uid,
+        namespace=res.namespace,
+    )
+
+
 def plan(
     *,
     res: GpuReservation,
@@ -528,13 +539,7 @@ class ReservationReconciler:
         await post_event(
             self.kube,
             namespace=res.namespace,
-            involved=Involved(
-                api_version=API_VERSION,
-                kind="GpuReservation",
-                name=res.name,
-                uid=res.meta.uid,
-                namespace=res.namespace,
-            ),
+            involved=_involving(res),
             event=Event(type="Normal", reason="ReleaseWaitsForPod", message=message),
             now=now,
             reporter=self.settings.identity,
@@ -622,13 +627,7 @@ class ReservationReconciler:
         if the_plan.event is None:
             return True
         if the_plan.event_on_reservation:
-            involved = Involved(
-                api_version=API_VERSION,
-                kind="GpuReservation",
-                name=res.name,
-                uid=res.meta.uid,
-                namespace=res.namespace,
-            )
+            involved = _involving(res)
         elif pod is not None:
             involved = Involved(
                 api_version="v1", kind="Pod", name=pod.name, uid=pod.uid, namespace=res.namespace
