@@ -37,7 +37,6 @@ from vramshare.kube.objects import (
     GpuReservation,
     OwnerRef,
     ReservationStatus,
-    add_finalizer,
     remove_finalizer,
 )
 from vramshare.kube.resources import (
@@ -304,7 +303,10 @@ class ReservationReconciler:
             labelled = by_reservation.get((res.namespace, res.pod_label), [])
             if await self.reconcile(res, labelled, presence=presence, confirm_absence=True):
                 changed += 1
-        gone = self._stuck.keys() - {r.key for r in current}  # deleted with their pod
+        keys = {r.key for r in current}
+        # Said-once notes of reservations that no longer exist are forgotten.
+        self._announced = {note for note in self._announced if note[0] in keys}
+        gone = self._stuck.keys() - keys  # deleted with their pod
         if gone:
             for key in gone:
                 del self._stuck[key]
@@ -588,7 +590,7 @@ class ReservationReconciler:
                     return True
             metadata: dict[str, object] = {}
             if the_plan.finalizer == "add":  # in the same write as the owner, when there is one
-                metadata = add_finalizer(res.meta, FINALIZER_POD_GONE)
+                metadata = {"finalizers": [*res.meta.finalizers, FINALIZER_POD_GONE]}
             if the_plan.owner is not None:
                 owner = OwnerRef(
                     api_version="v1", kind="Pod", name=the_plan.owner.name, uid=the_plan.owner.uid

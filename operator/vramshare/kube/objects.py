@@ -117,11 +117,6 @@ def remove_finalizer(meta: Meta, finalizer: str) -> list[Obj]:
     return [{"op": "test", "path": where, "value": finalizer}, {"op": "remove", "path": where}]
 
 
-def add_finalizer(meta: Meta, finalizer: str) -> Obj:
-    """The metadata of a merge patch that adds `finalizer`, conditional on the version read."""
-    return {"resourceVersion": meta.resource_version, "finalizers": [*meta.finalizers, finalizer]}
-
-
 # -- GpuReservation -----------------------------------------------------------------------------
 
 
