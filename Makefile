@@ -85,6 +85,10 @@ chart-docs: venv ## Regenerate charts/vramshare/README.md from the comments in v
 bench-controller: venv tools ## What 5000 churning ordinary pods cost the controller (CPU, memory, Lease, release and expiry lag) vs none
 	$(BIN)/python -m vramshare_e2e.bench_controller --out bench/results
 
+.PHONY: bench-fleet
+bench-fleet: venv tools ## A 1000-GPU fleet (125 kwok nodes x 8) with 10 000 bookings: poll time, writes per poll, admission, memory
+	$(BIN)/python -m vramshare_e2e.bench_fleet --out bench/results
+
 .PHONY: bench-packing
 bench-packing: venv ## Packing quality of vramshare vs Kaapana-like, whole-GPU and time-slicing (simulated)
 	$(BIN)/python -m vramshare_e2e.bench_packing --out bench/results

@@ -57,7 +57,7 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime + stime
 
 
-def _mem_mib(pid: int, key: str) -> float:
+def mem_mib(pid: int, key: str) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith(key + ":"):
             return round(int(line.split()[1]) / 1024, 1)
@@ -277,7 +277,7 @@ def _phase(
         "gpu_pods": i,
         "bookings_without_pod": i,
         "controller_cpu_cores": round(cpu_s / wall_s, 4),
-        "controller_rss_mib": _mem_mib(controller_pid, "VmRSS"),
+        "controller_rss_mib": mem_mib(controller_pid, "VmRSS"),
         "lease_transitions": int(after_lease.get("leaseTransitions") or 0)
         - int(before_lease.get("leaseTransitions") or 0),
         "lease_holder_kept": after_lease.get("holderIdentity") == before_lease.get("holderIdentity"),

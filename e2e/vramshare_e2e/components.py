@@ -89,25 +89,44 @@ def start_webhook(
 
 
 def webhook_configuration(
-    cluster: LocalCluster, *, ports: Mapping[str, int], annotation: str = "gpu-mem-mb", timeout_s: int = 10
+    cluster: LocalCluster,
+    *,
+    ports: Mapping[str, int],
+    annotation: str = "gpu-mem-mb",
+    timeout_s: int = 10,
+    as_the_chart: bool = False,
 ) -> dict[str, Any]:
     """A MutatingWebhookConfiguration with one entry per shard: namespaces labelled
-    `vramshare-e2e/shard=<shard>` go to that shard's replica, so tests decide which replica answers."""
+    `vramshare-e2e/shard=<shard>` go to that shard's replica, so tests decide which replica answers.
+    With `as_the_chart`, split as the chart registers it: the GPU entry sees only pods with the
+    annotation (a match condition the API server evaluates), and a second entry, with the chart's
+    failurePolicy Ignore, the others, whose GPUs it hides."""
     ca = base64.b64encode(cluster.ca.cert_pem).decode()
     webhooks = []
     for shard, port in ports.items():
+        entry = {
+            "name": f"{shard}.{WEBHOOK_NAME}",
+            "admissionReviewVersions": ["v1"],
+            "sideEffects": "NoneOnDryRun",
+            "failurePolicy": "Fail",
+            "matchPolicy": "Equivalent",
+            "reinvocationPolicy": "IfNeeded",
+            "timeoutSeconds": timeout_s,
+            "clientConfig": {"url": f"https://127.0.0.1:{port}/mutate", "caBundle": ca},
+            "rules": VRAMSHARE_RULES,
+            "namespaceSelector": {"matchLabels": {"vramshare-e2e/shard": shard}},
+        }
+        if not as_the_chart:
+            webhooks.append(entry)
+            continue
+        asks = f"has(object.metadata.annotations) && '{annotation}' in object.metadata.annotations"
+        webhooks.append({**entry, "matchConditions": [{"name": "requests-gpu-memory", "expression": asks}]})
         webhooks.append(
             {
-                "name": f"{shard}.{WEBHOOK_NAME}",
-                "admissionReviewVersions": ["v1"],
-                "sideEffects": "NoneOnDryRun",
-                "failurePolicy": "Fail",
-                "matchPolicy": "Equivalent",
-                "reinvocationPolicy": "IfNeeded",
-                "timeoutSeconds": timeout_s,
-                "clientConfig": {"url": f"https://127.0.0.1:{port}/mutate", "caBundle": ca},
-                "rules": VRAMSHARE_RULES,
-                "namespaceSelector": {"matchLabels": {"vramshare-e2e/shard": shard}},
+                **entry,
+                "name": f"hide-{shard}.{WEBHOOK_NAME}",
+                "failurePolicy": "Ignore",
+                "matchConditions": [{"name": "no-gpu-memory-request", "expression": f"!({asks})"}],
             }
         )
     return {

@@ -120,7 +120,9 @@ class Fleet:
         return cls.from_json(json.loads(path.read_text()))
 
 
-def _gpus(node: str, count: int, *, model: str, total_mib: int, driver_reserved_mib: int) -> list[FakeGpu]:
+def uniform_gpus(
+    node: str, count: int, *, model: str, total_mib: int, driver_reserved_mib: int
+) -> list[FakeGpu]:
     return [
         FakeGpu(
             uuid=stable_gpu_uuid(node, i),
@@ -139,13 +141,15 @@ def default_fleet() -> Fleet:
         nodes=[
             FakeNode(
                 name="gpu-node-a",
-                gpus=_gpus(
+                gpus=uniform_gpus(
                     "gpu-node-a", 2, model="NVIDIA A100-SXM4-40GB", total_mib=40_960, driver_reserved_mib=512
                 ),
             ),
             FakeNode(
                 name="gpu-node-b",
-                gpus=_gpus("gpu-node-b", 3, model="Tesla T4", total_mib=15_360, driver_reserved_mib=256),
+                gpus=uniform_gpus(
+                    "gpu-node-b", 3, model="Tesla T4", total_mib=15_360, driver_reserved_mib=256
+                ),
             ),
         ]
     )

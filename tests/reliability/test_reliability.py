@@ -178,14 +178,28 @@ def test_concurrency_with_crashes_keeps_every_promise(stack: Stack) -> None:
     def check_ledger() -> None:
         booked: dict[str, int] = defaultdict(int)
         holders: dict[str, list[str]] = defaultdict(list)
-        for r in stack.reservations():
+        listed = stack.reservations()
+        # A pod's booking is committed once its pod exists (the webhook answers only after the commit);
+        # holds and queue placements carry the label instead.
+        pods = {
+            (p.metadata.namespace, p.metadata.labels["vramshare.io/reservation"])
+            for p in stack.core.list_pod_for_all_namespaces(label_selector="vramshare.io/reservation").items
+        }
+        for r in listed:
             phase = r.get("status", {}).get("phase", "Reserved")
-            committed = r["metadata"].get("labels", {}).get("vramshare.io/committed") == "true"
-            if phase in ("Bound", "Lost") or (phase == "Reserved" and committed):
-                booked[r["spec"]["gpuUUID"]] += r["spec"]["memoryMiB"]
-                holders[r["spec"]["gpuUUID"]].append(
-                    f"{r['metadata']['name']}:{r['spec']['memoryMiB']}:{phase}:{committed}"
+            labels = r["metadata"].get("labels", {})
+            committed = (
+                labels.get("vramshare.io/committed") == "true"
+                or (
+                    r["metadata"]["namespace"],
+                    labels.get("vramshare.io/reservation-set", r["metadata"]["name"]),
                 )
+                in pods
+            )
+            gpu = r["spec"].get("gpuUUID")  # none: a queue entry not placed, or its placement taken back
+            if gpu and (phase in ("Bound", "Lost") or (phase == "Reserved" and committed)):
+                booked[gpu] += r["spec"]["memoryMiB"]
+                holders[gpu].append(f"{r['metadata']['name']}:{r['spec']['memoryMiB']}:{phase}:{committed}")
         for uuid, mib in booked.items():
             peak[uuid] = max(peak[uuid], mib)
             if mib > capacity[uuid]:

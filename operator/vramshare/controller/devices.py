@@ -9,6 +9,7 @@ API server, so a new leader picks up where the old one stopped.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -107,12 +108,26 @@ def device_status(
     )
 
 
+WRITES_IN_FLIGHT = 16
+"""GpuDevice writes one poll keeps in flight at once: a fleet's GPUs are independent objects, and one
+at a time a thousand-GPU fleet's poll took as long as a thousand round trips."""
+
+
+def refresh_after(uuid: str, *, max_sample_age_s: float) -> float:
+    """How long an unchanged GPU's stored sample time may lag: between 3/16 and 1/4 of the maximum
+    sample age, fixed per GPU by its UUID. GPUs discovered together (a new node, a restart) would
+    otherwise all refresh on the same poll, a burst of one write per GPU."""
+    spread = int.from_bytes(hashlib.blake2s(uuid.encode(), digest_size=2).digest(), "big") / 0xFFFF
+    return max_sample_age_s / 4 * (0.75 + 0.25 * spread)
+
+
 def _worth_writing(desired: DeviceStatus, previous: DeviceStatus | None, *, refresh_s: float) -> bool:
     """Whether the status changed enough to write. A new sample with the same figures only moves
-    `sampledAt`/`lastSeenAt`; those are refreshed every `refresh_s` (a quarter of the maximum sample
-    age), not every poll. Every write moves the GPU's ledger token, and so makes the commits in flight
-    on it conflict: writing only what matters keeps admissions from retrying for nothing. A stored
-    sample time that lags makes decisions count more memory as not yet visible, never less."""
+    `sampledAt`/`lastSeenAt`; those are refreshed every `refresh_s` (about a quarter of the maximum
+    sample age, see `refresh_after`), not every poll. Every write moves the GPU's ledger token, and so
+    makes the commits in flight on it conflict: writing only what matters keeps admissions from
+    retrying for nothing. A stored sample time that lags makes decisions count more memory as not yet
+    visible, never less."""
     if previous is None:
         return True
     times = ("sampledAt", "lastSeenAt")
@@ -281,12 +296,20 @@ class InventoryLoop:
             self._report_unusable([*reading.unusable, *strangers, *drifting])
         self._delivery = self.preflight.checks()
         gone = to_forget(statuses, reservations=reservations, now=now, settings=self.settings.inventory)
-        for judged in statuses:
+        slots = asyncio.Semaphore(WRITES_IN_FLIGHT)
+
+        async def keep(judged: Judged) -> None:
             recorded = by_uuid.get(judged.gpu.uuid)
-            if judged in gone and recorded is not None:
-                await self._forget(recorded, judged, now=now)
-                continue
-            await self._write_device(judged, recorded, reservations=reservations, now=now)
+            async with slots:
+                if judged in gone and recorded is not None:
+                    await self._forget(recorded, judged, now=now)
+                else:
+                    await self._write_device(judged, recorded, reservations=reservations, now=now)
+
+        outcomes = await asyncio.gather(*(keep(j) for j in statuses), return_exceptions=True)
+        failed = [o for o in outcomes if isinstance(o, BaseException)]
+        if failed:  # the others' writes stand; the next poll tries these again
+            raise failed[0]
         self.presence = GpuPresence.of(statuses)
         self.statuses = statuses
         forgotten = {j.gpu.uuid for j in gone}
@@ -382,8 +405,10 @@ class InventoryLoop:
             judged, previous, now=now, generation=device.meta.generation, delivery=delivery
         )
         self._last_seen[gpu.uuid] = judged.last_seen_at
-        if not _worth_writing(desired, previous, refresh_s=self.settings.accounting.max_sample_age_s / 4):
+        refresh_s = refresh_after(gpu.uuid, max_sample_age_s=self.settings.accounting.max_sample_age_s)
+        if not _worth_writing(desired, previous, refresh_s=refresh_s):
             return
+        self.metrics.device_status_writes.inc()
         written = await self._write_status(device, desired)
         if written is None:
             return
@@ -496,8 +521,10 @@ class InventoryLoop:
 
     async def _poll_forever(self) -> None:
         while True:
+            started = time.monotonic()
             try:
                 await self.poll()
             except Exception as exc:  # the API server is briefly away: try again next round
                 log.warning("inventory poll failed", error=str(exc))
+            self.metrics.poll_seconds.observe(time.monotonic() - started)
             await asyncio.sleep(self.settings.poll_interval_s)

@@ -105,6 +105,24 @@ class ControllerMetrics:
             "Queued pods placed on a GPU (the gate lifted).",
             registry=self.registry,
         )
+        self.poll_seconds = Histogram(
+            "vramshare_inventory_poll_seconds",
+            "How long one inventory poll took: reading DCGM, judging every GPU, writing what changed.",
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+            registry=self.registry,
+        )
+        self.device_status_writes = Counter(
+            "vramshare_gpudevice_status_writes",
+            "GpuDevice status writes: only GPUs whose figures or state changed, and a refresh of each "
+            "GPU's sample time every max_sample_age_s / 4 (spread over time, GPU by GPU).",
+            registry=self.registry,
+        )
+        self.queue_status_writes = Counter(
+            "vramshare_queue_status_writes",
+            "Writes of a waiting entry's place in the queue to its status (bounded per placement by "
+            "queue_positions_shown).",
+            registry=self.registry,
+        )
         self.queue_wait = Histogram(
             "vramshare_queue_wait_seconds",
             "How long placed pods waited in the queue.",

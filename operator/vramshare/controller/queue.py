@@ -78,6 +78,10 @@ def queue_hold_key(entry_key: str) -> str:
     return QUEUE_HOLD_PREFIX + hashlib.sha256(entry_key.encode()).hexdigest()[:40]
 
 
+QUEUE_MESSAGE_START = "waits for"
+"""How the status message of a waiting entry starts (the queue wrote it: the pod was told)."""
+
+
 class QueueLoop:
     def __init__(
         self,
@@ -379,23 +383,31 @@ class QueueLoop:
         self, queued: dict[str, tuple[GpuReservation, Obj]], positions: dict[str, int], *, now: float
     ) -> None:
         hold = self.hold
+        shown = self.settings.queue_positions_shown
         for key, position in positions.items():
             res, pod = queued[key]
-            message = f"waits for {res.spec.memory_mib} MiB of GPU memory: position {position} in the queue"
+            waits = f"{QUEUE_MESSAGE_START} {res.spec.memory_mib} MiB of GPU memory"
+            if position <= shown:
+                written: int | None = position
+                message = f"{waits}: position {position} in the queue"
+            else:  # its place, written on every placement, would cost a write per entry per placement
+                written, message = None, f"{waits}: more than {shown} pods are ahead of it in the queue"
             if hold is not None and hold.key == key:
                 message += f"; GPU {hold.gpu_uuid} is held for it as memory frees up"
-            if res.status.queue_position == position and res.status.message == message:
+            if res.status.queue_position == written and res.status.message == message:
                 continue
             try:
                 await self.kube.merge_patch(
                     f"{reservations_path(res.namespace, res.name)}/status",
-                    {"status": {"phase": "Queued", "queuePosition": position, "message": message}},
+                    {"status": {"phase": "Queued", "queuePosition": written, "message": message}},
                 )
             except ApiError as exc:
                 if not (exc.not_found or exc.conflict):
                     raise
                 continue
-            if res.status.queue_position is None:  # first seen in the queue: tell the pod's owner
+            self.metrics.queue_status_writes.inc()
+            if not (res.status.message or "").startswith(QUEUE_MESSAGE_START):  # first seen in the queue:
+                # tell the pod's owner
                 meta = pod["metadata"]
                 await post_event(
                     self.kube,

@@ -75,6 +75,10 @@ class ControllerSettings:
     """Which fitting GPU a queued pod gets (the webhook's VRAMSHARE_POLICY)."""
     queue_interval_s: float = 2.0
     """How often the queue is planned when nothing wakes it (a pod ending, a reservation released)."""
+    queue_positions_shown: int = 10
+    """How many of the queue's first entries have their position written to their status. Each
+    placement moves every entry behind it one place up, so writing every position cost as many
+    writes as the queue was long; the others say that more than this many wait ahead of them."""
     hold_limit_s: float = 900.0
     """How long a hold lasts: queue mode's on one GPU for the head of the queue, refuse mode's for a
     refused large request's next try (ended here, as Expired/HoldLapsed)."""
@@ -200,6 +204,8 @@ class ControllerSettings:
         ):
             if getattr(self, name) <= 0:
                 raise invalid(name, getattr(self, name), "a positive number of seconds")
+        if self.queue_positions_shown < 1:
+            raise invalid("queue_positions_shown", self.queue_positions_shown, "a whole number of 1 or more")
         if self.delivery_mode not in MODES:
             raise invalid("delivery_mode", self.delivery_mode, ", ".join(MODES))
         if not is_object_name(self.runtime_class_name):

@@ -6,14 +6,16 @@ by the caller; the webhook commits the result atomically afterwards.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Callable, Collection, Iterable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import cast
 
 from vramshare.domain.accounting import Accounting, StaleGpuMode
 from vramshare.domain.bookings import LedgerIndex
-from vramshare.domain.headroom import Headroom, booked, headroom_of
+from vramshare.domain.headroom import Headroom, booked, headroom_mib, headroom_of
 from vramshare.domain.models import AllocationRequest, Gpu, Reservation, model_matches
 
 
@@ -77,13 +79,20 @@ class Choice:
     gpu: Gpu
     headroom: Headroom
     """The chosen GPU's headroom before this request."""
-    verdicts: tuple[GpuVerdict, ...]
+    judged: Callable[[], tuple[GpuVerdict, ...]] = field(compare=False, repr=False)
+    """Builds `verdicts` from figures taken at the decision. An admission that gets its GPU never
+    reads them, and building one verdict per GPU was most of a decision's cost at fleet size."""
     more: tuple[tuple[Gpu, Headroom], ...] = ()
     """For a request of several GPUs: the others, on the same node, in the order the pod sees them."""
 
     @property
     def gpus(self) -> tuple[Gpu, ...]:
         return (self.gpu, *(g for g, _ in self.more))
+
+    @property
+    def verdicts(self) -> tuple[GpuVerdict, ...]:
+        """How every GPU fared, in a stable order (as of the decision, whenever it is read)."""
+        return self.judged()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -119,45 +128,115 @@ class Refusal:
         return max(rooms, default=None)
 
 
-def _judge(
-    gpu: Gpu,
-    request: AllocationRequest,
-    booked: Callable[[Gpu], tuple[int, int]],
-    *,
-    settings: AllocationSettings,
-    now: float,
-    credit: int = 0,
-) -> GpuVerdict:
-    age = max(0.0, now - gpu.sampled_at)
+Figures = tuple[int, int, int]
+"""(reserved, unseen, headroom) MiB of one GPU at one sample: what the ledger books on it, the part of
+that a sample cannot show yet, and the headroom the two leave (see `vramshare.domain.headroom`)."""
 
-    def verdict(excluded: Exclusion | None, room: Headroom | None = None) -> GpuVerdict:
-        return GpuVerdict(gpu=gpu, headroom=room, excluded=excluded, sample_age_s=age)
+FiguresOf = Callable[[Gpu, bool], Figures]
+"""A GPU's figures, judged on the ledger alone when the flag says so (its sample is stale)."""
 
+
+def _screen(gpu: Gpu, request: AllocationRequest, accounting: Accounting, now: float, /) -> Exclusion | None:
+    """Why `gpu` is out before its headroom matters, if it is. Runs for every GPU on every decision:
+    positional arguments, and the checks that need a call only when the request asks for them."""
     if request.nodes is not None and gpu.node not in request.nodes:
-        return replace(verdict(Exclusion.OTHER_NODE), detail=request.node_reasons.get(gpu.node, ""))
-    if not model_matches(request.model, gpu.model):
-        return verdict(Exclusion.OTHER_MODEL)
+        return Exclusion.OTHER_NODE
+    if request.model is not None and not model_matches(request.model, gpu.model):
+        return Exclusion.OTHER_MODEL
     if gpu.missing:
-        return verdict(Exclusion.MISSING)
+        return Exclusion.MISSING
     if not gpu.healthy:
-        return verdict(Exclusion.UNHEALTHY)
-    if gpu.mig_enabled:
-        return verdict(Exclusion.MIG_ENABLED)
-    accounting = settings.accounting
-    stale = age > accounting.max_sample_age_s
-    if stale and accounting.stale_mode is StaleGpuMode.REFUSE:
-        return verdict(Exclusion.STALE)
-    reserved, unseen = booked(gpu)
-    # Memory held for this very request (a hold has no pod, so it is unseen as well as reserved).
-    reserved, unseen = reserved - credit, unseen - credit
-    room = headroom_of(
+        return Exclusion.UNHEALTHY
+    if gpu.mig:
+        return Exclusion.MIG_ENABLED
+    if accounting.stale_mode is StaleGpuMode.REFUSE and now - gpu.sampled_at > accounting.max_sample_age_s:
+        return Exclusion.STALE
+    return None
+
+
+def _credited(
+    gpu: Gpu, figures: Figures, credit: int, *, accounting: Accounting, ledger_only: bool
+) -> Figures:
+    """`figures` with memory held for this very request counted as free for it (a hold has no pod,
+    so it is unseen as well as reserved)."""
+    return _figures(
+        gpu, figures[0] - credit, figures[1] - credit, accounting=accounting, ledger_only=ledger_only
+    )
+
+
+def _figures(gpu: Gpu, reserved: int, unseen: int, *, accounting: Accounting, ledger_only: bool) -> Figures:
+    room = headroom_mib(
         gpu,
         reserved_mib=reserved,
         unseen_mib=unseen,
         safety_margin_mib=accounting.safety_margin_mib,
-        ledger_only=stale,
+        ledger_only=ledger_only,
     )
-    return verdict(None if room.headroom_mib >= request.mib else Exclusion.TOO_SMALL, room)
+    return reserved, unseen, room
+
+
+def _verdict(
+    gpu: Gpu, judged: Exclusion | Figures, request: AllocationRequest, *, accounting: Accounting, now: float
+) -> GpuVerdict:
+    """The verdict object for one GPU, from what the decision found for it."""
+    age = max(0.0, now - gpu.sampled_at)
+    if isinstance(judged, Exclusion):
+        detail = request.node_reasons.get(gpu.node, "") if judged is Exclusion.OTHER_NODE else ""
+        return GpuVerdict(gpu=gpu, headroom=None, excluded=judged, sample_age_s=age, detail=detail)
+    reserved, unseen, room = judged
+    headroom = headroom_of(
+        gpu,
+        reserved_mib=reserved,
+        unseen_mib=unseen,
+        safety_margin_mib=accounting.safety_margin_mib,
+        ledger_only=age > accounting.max_sample_age_s,
+    )
+    excluded = None if room >= request.mib else Exclusion.TOO_SMALL
+    return GpuVerdict(gpu=gpu, headroom=headroom, excluded=excluded, sample_age_s=age)
+
+
+def _judge_all(
+    request: AllocationRequest,
+    gpus: Iterable[Gpu],
+    figures_of: FiguresOf,
+    *,
+    accounting: Accounting,
+    now: float,
+    credit: Mapping[str, int],
+) -> tuple[list[Gpu], list[Exclusion | Figures], list[int]]:
+    """Every GPU judged for `request`: the GPUs, what was found for each (an exclusion, or its
+    figures), and the positions of those with room. No object is built per GPU: at fleet size that
+    was most of a decision's cost, and a decision that finds a GPU needs no verdict for the others."""
+    listed = list(gpus)
+    found: list[Exclusion | Figures] = []
+    fitting: list[int] = []
+    max_age = accounting.max_sample_age_s
+    for position, gpu in enumerate(listed):
+        excluded = _screen(gpu, request, accounting, now)
+        if excluded is not None:
+            found.append(excluded)
+            continue
+        ledger_only = now - gpu.sampled_at > max_age
+        figures = figures_of(gpu, ledger_only)
+        if credit and (held := credit.get(gpu.uuid)):
+            figures = _credited(gpu, figures, held, accounting=accounting, ledger_only=ledger_only)
+        found.append(figures)
+        if figures[2] >= request.mib:
+            fitting.append(position)
+    return listed, found, fitting
+
+
+def _judge(
+    gpu: Gpu,
+    request: AllocationRequest,
+    figures_of: FiguresOf,
+    *,
+    settings: AllocationSettings,
+    now: float,
+) -> GpuVerdict:
+    accounting = settings.accounting
+    [listed], [found], _ = _judge_all(request, [gpu], figures_of, accounting=accounting, now=now, credit={})
+    return _verdict(listed, found, request, accounting=accounting, now=now)
 
 
 def has_room_for_its_bookings(gpu: Gpu, index: LedgerIndex, *, accounting: Accounting, now: float) -> bool:
@@ -173,7 +252,7 @@ def has_room_for_its_bookings(gpu: Gpu, index: LedgerIndex, *, accounting: Accou
     verdict = _judge(
         gpu,
         nothing_more,
-        lambda g: index.booked(g, settle_s=accounting.settle_s),
+        index.figures_by(settle_s=accounting.settle_s, safety_margin_mib=accounting.safety_margin_mib),
         settings=AllocationSettings(accounting=accounting),
         now=now,
     )
@@ -184,11 +263,13 @@ def _gpu_order(gpu: Gpu) -> tuple[str, int, str]:
     return (gpu.node, gpu.index, gpu.uuid)
 
 
-def _rank(prefer: str, gpu: Gpu) -> int:
-    """A replica's own stable order of the GPUs (0 for all when it states no preference)."""
+@functools.lru_cache(maxsize=16_384)
+def _rank(prefer: str, gpu_uuid: str) -> int:
+    """A replica's own stable order of the GPUs (0 for all when it states no preference). Cached: a
+    fleet's GPUs are often all tied, and hashing each on every decision would cost more than judging."""
     if not prefer:
         return 0
-    return int.from_bytes(hashlib.blake2s(f"{prefer}/{gpu.uuid}".encode(), digest_size=4).digest(), "big")
+    return int.from_bytes(hashlib.blake2s(f"{prefer}/{gpu_uuid}".encode(), digest_size=4).digest(), "big")
 
 
 def choose(
@@ -213,46 +294,63 @@ def choose(
     last. `credit` (GPU UUID -> MiB) is memory held for this request on those GPUs: it counts as
     free for it. The same inputs, `prefer` and `avoid` always give the same answer.
     """
-    credit = credit or {}
-    settle_s = settings.accounting.settle_s
+    accounting = settings.accounting
+    figures_of: FiguresOf
     if index is not None:
-
-        def booked_on(gpu: Gpu) -> tuple[int, int]:
-            return index.booked(gpu, settle_s=settle_s)
-
+        figures_of = index.figures_by(
+            settle_s=accounting.settle_s, safety_margin_mib=accounting.safety_margin_mib
+        )
     else:
-        # Group the ledger by GPU once, so the cost grows with GPUs + reservations, not their product.
-        by_gpu: dict[str, list[Reservation]] = {}
-        for r in reservations:
-            if r.is_active:
-                by_gpu.setdefault(r.gpu_uuid, []).append(r)
-
-        def booked_on(gpu: Gpu) -> tuple[int, int]:
-            return booked(gpu, by_gpu.get(gpu.uuid, []), settle_s=settle_s)
-
-    verdicts = tuple(
-        _judge(gpu, request, booked_on, settings=settings, now=now, credit=credit.get(gpu.uuid, 0))
-        for gpu in sorted(gpus, key=_gpu_order)
+        figures_of = _figures_from(reservations, accounting=accounting)
+    listed, found, fitting = _judge_all(
+        request, gpus, figures_of, accounting=accounting, now=now, credit=credit or {}
     )
-    fitting = [v for v in verdicts if v.fits and v.headroom is not None]
+
+    def judged() -> tuple[GpuVerdict, ...]:
+        ordered = sorted(range(len(listed)), key=lambda i: _gpu_order(listed[i]))
+        return tuple(_verdict(listed[i], found[i], request, accounting=accounting, now=now) for i in ordered)
+
     if not fitting:
-        return Refusal(request=request, verdicts=verdicts)
+        return Refusal(request=request, verdicts=judged())
     if request.count > 1:
-        return _choose_set(request, fitting, verdicts, settings=settings, prefer=prefer, avoid=avoid)
+        verdicts = judged()
+        return _choose_set(
+            request, [v for v in verdicts if v.fits], verdicts, settings=settings, prefer=prefer, avoid=avoid
+        )
     sign = -1 if settings.policy is Policy.SPREAD else 1
-    top = min(sign * v.headroom.headroom_mib for v in fitting)  # type: ignore[union-attr]
-    tied = [v for v in fitting if sign * v.headroom.headroom_mib - top <= settings.near_tie_mib]  # type: ignore[union-attr]
+
+    def room(i: int) -> int:
+        return sign * cast(Figures, found[i])[2]  # a fitting GPU's entry is its figures
+
+    top = min(room(i) for i in fitting)
+    tied = [i for i in fitting if room(i) - top <= settings.near_tie_mib]
     best = min(
         tied,
-        key=lambda v: (
-            v.gpu.uuid in avoid,
-            _rank(prefer, v.gpu),
-            sign * v.headroom.headroom_mib,  # type: ignore[union-attr]
-            *_gpu_order(v.gpu),
+        key=lambda i: (
+            listed[i].uuid in avoid,
+            _rank(prefer, listed[i].uuid),
+            room(i),
+            *_gpu_order(listed[i]),
         ),
     )
-    assert best.headroom is not None
-    return Choice(request=request, gpu=best.gpu, headroom=best.headroom, verdicts=verdicts)
+    chosen = _verdict(listed[best], found[best], request, accounting=accounting, now=now)
+    assert chosen.headroom is not None
+    return Choice(request=request, gpu=chosen.gpu, headroom=chosen.headroom, judged=judged)
+
+
+def _figures_from(reservations: Iterable[Reservation], *, accounting: Accounting) -> FiguresOf:
+    """Figures from a ledger given as a list, grouped by GPU once, so the cost grows with GPUs +
+    reservations, not their product."""
+    by_gpu: dict[str, list[Reservation]] = {}
+    for r in reservations:
+        if r.is_active:
+            by_gpu.setdefault(r.gpu_uuid, []).append(r)
+
+    def figures_of(gpu: Gpu, ledger_only: bool) -> Figures:
+        reserved, unseen = booked(gpu, by_gpu.get(gpu.uuid, []), settle_s=accounting.settle_s)
+        return _figures(gpu, reserved, unseen, accounting=accounting, ledger_only=ledger_only)
+
+    return figures_of
 
 
 def _choose_set(
@@ -281,7 +379,7 @@ def _choose_set(
             (
                 any(v.gpu.uuid in avoid for v in picked),
                 sign * sum(v.room_mib for v in picked),
-                _rank(prefer, picked[0].gpu),
+                _rank(prefer, picked[0].gpu.uuid),
                 node,
                 sorted(picked, key=lambda v: _gpu_order(v.gpu)),
             )
@@ -295,6 +393,6 @@ def _choose_set(
         request=request,
         gpu=first.gpu,
         headroom=first.headroom,
-        verdicts=verdicts,
+        judged=lambda: verdicts,
         more=tuple((v.gpu, v.headroom) for v in rest if v.headroom is not None),
     )

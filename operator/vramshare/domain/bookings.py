@@ -11,8 +11,10 @@ are settled for good (samples only get newer) and leave the short list.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from vramshare.domain.headroom import headroom_mib
 from vramshare.domain.models import Gpu, Reservation, ReservationPhase
 from vramshare.domain.tenancy import Holding, Holdings, holding_of
 
@@ -44,6 +46,9 @@ class LedgerIndex:
         """User -> MiB of their bookings whose pod has not appeared."""
         self._pending_bookings: dict[str, Reservation] = {}
         """The bookings whose pod has not appeared (few: each ends within a second, or its TTL)."""
+        self._memo: dict[str, tuple[Gpu, float, int, bool, tuple[int, int, int]]] = {}
+        """GPU UUID -> its figures as last computed, with what they were computed from (`figures_by`);
+        dropped whenever a booking on the GPU comes or goes."""
 
     def __len__(self) -> int:
         return len(self._members)
@@ -58,6 +63,7 @@ class LedgerIndex:
         if not reservation.is_active:
             return
         self._members[key] = reservation
+        self._memo.pop(reservation.gpu_uuid, None)
         sums = self._sums.setdefault(reservation.gpu_uuid, _GpuSums())
         sums.reserved_mib += reservation.mib
         if reservation.pod_running_since is None:
@@ -95,6 +101,7 @@ class LedgerIndex:
         old = self._members.pop(key, None)
         if old is None:
             return
+        self._memo.pop(old.gpu_uuid, None)
         sums = self._sums[old.gpu_uuid]
         sums.reserved_mib -= old.mib
         if old.pod_running_since is None:
@@ -115,9 +122,47 @@ class LedgerIndex:
 
     def booked(self, gpu: Gpu, *, settle_s: float) -> tuple[int, int]:
         """(reserved, unseen) MiB on `gpu` for its current sample."""
+        return self._booked(gpu, settle_s)
+
+    def figures_by(
+        self, *, settle_s: float, safety_margin_mib: int
+    ) -> Callable[[Gpu, bool], tuple[int, int, int]]:
+        """(reserved, unseen, headroom) MiB of a GPU at its sample, judged on the ledger alone when
+        asked (see `vramshare.domain.headroom`). A decision asks this of every GPU, and between two
+        decisions few GPUs change, so each GPU's figures are remembered until its bookings change or
+        it is handed in as another object (a new sample)."""
+
+        def figures(gpu: Gpu, ledger_only: bool) -> tuple[int, int, int]:
+            memo = self._memo.get(gpu.uuid)
+            if (
+                memo is not None
+                and memo[0] is gpu
+                and memo[1] == settle_s
+                and memo[2] == safety_margin_mib
+                and memo[3] is ledger_only
+            ):
+                return memo[4]
+            reserved, unseen = self._booked(gpu, settle_s)
+            room = headroom_mib(
+                gpu,
+                reserved_mib=reserved,
+                unseen_mib=unseen,
+                safety_margin_mib=safety_margin_mib,
+                ledger_only=ledger_only,
+            )
+            self._memo[gpu.uuid] = (gpu, settle_s, safety_margin_mib, ledger_only, (reserved, unseen, room))
+            return reserved, unseen, room
+
+        return figures
+
+    def _booked(self, gpu: Gpu, settle_s: float) -> tuple[int, int]:
         sums = self._sums.get(gpu.uuid)
         if sums is None:
             return 0, 0
+        if not sums.recent:  # the usual case: every started pod settled long ago
+            if gpu.sampled_at > sums.newest_sample:
+                sums.newest_sample = gpu.sampled_at
+            return sums.reserved_mib, sums.not_started_mib
         unseen = sums.not_started_mib
         settled = []
         for key, (started, mib) in sums.recent.items():

@@ -17,9 +17,11 @@ Commit protocol (optimistic concurrency, no lock held anywhere across processes)
    resourceVersions: the token must still cover every booking on the GPU. If not, delete our
    reservation and start again. A 409 from a status write alone (the controller recording a new sample)
    names the same last reservation: nothing was committed meanwhile, so the bump is retried on the new
-   resourceVersion. Otherwise label the reservation committed (off the answer's path, retried, and
-   waited for on shutdown: `drain`), so observers of the ledger can tell it from a candidate that may
-   still be withdrawn.
+   resourceVersion. Otherwise a queue placement or a hold is labelled committed (off the answer's
+   path, retried, and waited for on shutdown: `drain`), so the next leader and observers can tell it
+   from a candidate that may still be withdrawn. A pod's own booking is not labelled: the webhook
+   answers only once the commit held, so its pod existing is the record (issue #31: that label was a
+   third write on every admission).
 
 Any commit on a GPU between our steps 1 and 4 moves its token and names a new reservation (names
 are unique), so two admissions can never both succeed on a view that misses the other.
@@ -170,6 +172,17 @@ def _reservation_key(namespace: str, name: str) -> str:
     return f"{namespace}/{name}"
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _DeviceView:
+    """One GpuDevice as the live view needs it."""
+
+    uuid: str
+    token: str
+    commit_version: int
+    """`last_commit_version` of the device at this token."""
+    gpu: Gpu | None
+
+
 class KubeLedger:
     def __init__(
         self,
@@ -208,6 +221,12 @@ class KubeLedger:
         self.releases = ReleaseLog()
         """Memory freed by pods that ran, lately: when a refused request may expect room."""
         self.reservations.on_change(self._changed)
+        self._devices: dict[str, _DeviceView] = {}
+        """Device key -> what a decision needs of it, converted once per version (not per decision:
+        with a thousand GPUs that conversion cost more than the decision itself)."""
+        self._view_gpus: tuple[tuple[Gpu, ...], dict[str, str]] | None = None
+        """The GPUs and their tokens as the last view handed them out, until a device changes."""
+        self.devices.on_change(self._device_changed)
         self._own_tokens: dict[str, str] = {}
         """GPU UUID -> the token this process's last commit on it returned (no wait needed there)."""
         self._successor: dict[str, dict[str, str]] = {}
@@ -230,6 +249,19 @@ class KubeLedger:
         ended = reservation is None or not reservation.is_active
         if ended and before is not None and before.pod_running_since is not None:
             self.releases.add(at=self.clock(), gpu_uuid=before.gpu_uuid, mib=before.mib)
+
+    def _device_changed(self, key: str, device: GpuDevice | None, _previous: GpuDevice | None) -> None:
+        self._view_gpus = None
+        if device is None:
+            self._devices.pop(key, None)
+            return
+        self._remember_mark(device)
+        self._devices[key] = _DeviceView(
+            uuid=device.spec.uuid,
+            token=device.ledger_token,
+            commit_version=last_commit_version(device),
+            gpu=device.to_domain(),
+        )
 
     def release_rate(self, gpu_uuid: str | None = None) -> float:
         """MiB per second freed lately by pods that ended, on one GPU or on all."""
@@ -269,9 +301,14 @@ class KubeLedger:
         as a refusal deserves."""
         if fresh or not self.live:
             return await self._consistent()
-        needed = max((self._needed(d) for d in self.devices.items.values()), default=0)
-        if needed < 0:
-            return await self._consistent()
+        needed = 0
+        own = self._own_tokens
+        for device in self._devices.values():
+            if own.get(device.uuid) == device.token:
+                continue  # moved only by our own commits, whose reservations are in the view already
+            if device.commit_version < 0:
+                return await self._consistent()  # a token only a consistent read can vouch for
+            needed = max(needed, device.commit_version)
         if not await self._caught_up(needed):
             log.warning("reservation stream behind the GPU tokens; reading consistently", needed=needed)
             return await self._consistent()
@@ -284,20 +321,13 @@ class KubeLedger:
         self.catch_up_waits += 1
         return await self.reservations.wait_for(needed, timeout_s=CATCH_UP_TIMEOUT_S)
 
-    def _needed(self, device: GpuDevice) -> int:
-        if self._own_tokens.get(device.spec.uuid) == device.ledger_token:
-            return 0  # moved only by our own commits, whose reservations are in the view already
-        return last_commit_version(device)
-
     def _view(self) -> Snapshot:
-        gpus, tokens = [], {}
-        for device in self.devices.items.values():
-            gpu = device.to_domain()
-            if gpu is not None:
-                gpus.append(gpu)
-                tokens[gpu.uuid] = device.ledger_token
-                self._remember_mark(device)
-        return Snapshot(gpus=tuple(gpus), reservations=(), index=self.index, tokens=tokens, live=True)
+        if self._view_gpus is None:
+            gpus = tuple(d.gpu for d in self._devices.values() if d.gpu is not None)
+            tokens = {d.uuid: d.token for d in self._devices.values() if d.gpu is not None}
+            self._view_gpus = (gpus, tokens)
+        gpus, tokens = self._view_gpus
+        return Snapshot(gpus=gpus, reservations=(), index=self.index, tokens=tokens, live=True)
 
     async def _consistent(self) -> Snapshot:
         """A quorum read of both kinds. Callers that arrive while one is in flight wait for it and then
@@ -596,7 +626,8 @@ class KubeLedger:
             self.reservations.put(
                 entry.key, created.to_domain(), resource_version=created.meta.resource_version
             )
-            self._later(self._label_committed(created))
+            if entry.places or created.held_for:  # no pod vouches for these (see the module's step 5)
+                self._later(self._label_committed(created))
             entry.done.set_result(created)
 
     def _remember_mark(self, device: GpuDevice) -> None:
@@ -665,9 +696,9 @@ class KubeLedger:
             entry.done.set_exception(error)
 
     async def _label_committed(self, created: GpuReservation) -> None:
-        """Label a booking committed, off the answer's path, retried while the API server fails: a
-        placement left unlabelled goes back to the queue (nobody vouches for it), and observers count
-        only labelled bookings. The booking stands either way."""
+        """Label a placement or hold committed, off the answer's path, retried while the API server
+        fails: a placement left unlabelled goes back to the queue (nobody vouches for it), and
+        observers count only labelled ones. The booking stands either way."""
         error = ""
         for attempt in range(LABEL_ATTEMPTS):
             if attempt:

@@ -254,16 +254,17 @@ class GpuReservation:
         queued: bool = False,
     ) -> GpuReservation:
         """A booking as the webhook creates it: not yet committed, active. With `held_for`, a hold:
-        memory kept for that task's next try, with no pod of its own. With `set_name`, one of the
-        `gpu_count` bookings of a pod with several GPUs."""
+        memory kept for that task's next try, with no pod of its own, labelled committed once it is
+        (a pod's booking needs no label: its pod exists only once the commit held). With `set_name`,
+        one of the `gpu_count` bookings of a pod with several GPUs."""
         labels = {
             LABEL_GPU: device_name(gpu.uuid),
-            LABEL_COMMITTED: "false",
             LABEL_ACTIVE: "true",
             "app.kubernetes.io/managed-by": "vramshare",
         }
         if held_for:
             labels[LABEL_HELD_FOR] = held_for
+            labels[LABEL_COMMITTED] = "false"
         if set_name:
             labels[LABEL_SET] = set_name
         if queued:  # a queue head's hold (see vramshare.controller.queue)
@@ -346,7 +347,8 @@ class GpuReservation:
 
     @property
     def committed(self) -> bool:
-        """Labelled committed: its GPU's token was moved naming it (see vramshare.kube.ledger)."""
+        """Labelled committed: its GPU's token was moved naming it (see vramshare.kube.ledger). Only
+        queue placements and holds carry the label; a pod's own booking is vouched for by its pod."""
         return self.meta.labels.get(LABEL_COMMITTED) == "true"
 
     @property

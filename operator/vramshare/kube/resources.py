@@ -24,8 +24,11 @@ ANNOTATION_PREFIX = "vramshare.io/"
 LABEL_RESERVATION = "vramshare.io/reservation"
 """On admitted pods: the reservation's name, so the controller can list GPU pods by label."""
 LABEL_COMMITTED = "vramshare.io/committed"
-"""On reservations: "false" from creation until the commit's precondition held, then "true". Deciders
-count both (a pending reservation may still win); observers of the ledger count only committed ones."""
+"""On queue placements and holds: "false" from creation until the commit's precondition held, then
+"true". A booking the webhook makes for a pod has no such label: the webhook lets the pod be created
+only once the commit held, so the pod is its record, and a write per admission is saved. Deciders count
+every active booking (a pending one may still win); observers of the ledger count a pod's booking once
+its pod exists (Bound), and a placement or hold once labelled."""
 LABEL_ACTIVE = "vramshare.io/active"
 """On reservations: "true" while Reserved or Bound, "false" once ended (set by the controller), so the
 webhook lists only the live ledger, not the history kept for the retention period."""

@@ -9,7 +9,7 @@ from dataclasses import replace
 
 from tests.unit.domain.builders import NOW
 from tests.unit.fake_kube import FakeKube, fed_state
-from vramshare.controller.devices import InventoryLoop
+from vramshare.controller.devices import InventoryLoop, refresh_after
 from vramshare.controller.metrics import ControllerMetrics
 from vramshare.controller.settings import ControllerSettings
 from vramshare.dcgm_series import DcgmReading
@@ -227,3 +227,38 @@ async def test_a_drifting_total_is_rejected_counted_and_taken_after_three_readin
         assert device.status is not None
         assert device.status.total_mib == 26_384
         assert unusable_count(inventory, "total-drift") == 0
+
+
+async def test_a_poll_writes_only_the_gpus_whose_figures_changed() -> None:
+    """Issue #31: writes per poll follow the GPUs that changed, not the fleet (here 64 GPUs, 3 move)."""
+    fleet = [
+        replace(SAMPLE, uuid=f"GPU-{i:02d}", index=i % 8, node="node-a", free_mib=16_000) for i in range(64)
+    ]
+    now = [NOW + 1]
+    source = Source(*fleet)
+    async with loop(source, now) as (kube, inventory):
+        await inventory.poll()
+        assert status_writes(kube) == 64  # each new GPU's first status
+        before = status_writes(kube)
+        now[0] += 5
+        changed = {"GPU-03", "GPU-17", "GPU-42"}
+        source.samples = [
+            replace(
+                s,
+                sampled_at=NOW + 5,
+                **({"used_mib": 2_000, "free_mib": 14_000} if s.uuid in changed else {}),
+            )
+            for s in fleet
+        ]
+        await inventory.poll()
+        assert status_writes(kube) - before == 3
+        assert inventory.metrics.device_status_writes._value.get() == 67
+
+
+def test_unchanged_gpus_refresh_their_sample_time_spread_over_a_window() -> None:
+    """GPUs found together must not all refresh on one poll: each waits its own share of the window."""
+    waits = [refresh_after(f"GPU-{i}", max_sample_age_s=120) for i in range(1_000)]
+    assert all(22.5 <= w <= 30 for w in waits)
+    assert max(waits) - min(waits) > 7  # spread across the window
+    assert len({round(w, 1) for w in waits}) > 50
+    assert refresh_after("GPU-7", max_sample_age_s=120) == waits[7]  # the same GPU, the same wait

@@ -11,7 +11,7 @@ from tests.unit.domain import builders
 from tests.unit.domain.builders import NOW
 from tests.unit.domain.test_properties import allocation_settings, fleet, requests, reservations
 from vramshare.domain import Gpu, LedgerIndex, Reservation, ReservationPhase, choose
-from vramshare.domain.headroom import booked
+from vramshare.domain.headroom import booked, headroom_mib
 
 KEYS = [f"ns/r{i}" for i in range(8)]
 
@@ -57,6 +57,44 @@ def test_choose_decides_the_same_from_the_index(
     plain = choose(request, gpus, ledger, settings=config, now=NOW)  # type: ignore[arg-type]
     indexed = choose(request, gpus, (), settings=config, now=NOW, index=index)  # type: ignore[arg-type]
     assert plain == indexed
+    assert plain.verdicts == indexed.verdicts  # built later, from figures taken at the decision
+
+
+@settings(max_examples=300)
+@given(
+    changes=st.lists(st.tuples(st.sampled_from(KEYS), st.none() | reservations()), max_size=40),
+    gpus=fleet(),
+    settle=st.floats(0, 300),
+    margin=st.integers(0, 2_048),
+    ledger_only=st.booleans(),
+)
+def test_remembered_figures_follow_every_change_to_the_ledger(
+    changes: list[tuple[str, Reservation | None]],
+    gpus: list[Gpu],
+    settle: float,
+    margin: int,
+    ledger_only: bool,
+) -> None:
+    """The same GPU objects asked again after each change (a decision between two samples): what
+    the index remembers must never outlive a booking coming or going."""
+    index, ledger = LedgerIndex(), {}
+    figures = index.figures_by(settle_s=settle, safety_margin_mib=margin)
+    for key, reservation in changes:
+        index.put(key, reservation)
+        if reservation is None:
+            ledger.pop(key, None)
+        else:
+            ledger[key] = reservation
+        for gpu in gpus:
+            reserved, unseen = booked(gpu, ledger.values(), settle_s=settle)
+            room = headroom_mib(
+                gpu,
+                reserved_mib=reserved,
+                unseen_mib=unseen,
+                safety_margin_mib=margin,
+                ledger_only=ledger_only,
+            )
+            assert figures(gpu, ledger_only) == (reserved, unseen, room)
 
 
 def test_pending_bookings_are_counted_per_namespace_as_they_come_and_go() -> None:

@@ -33,6 +33,13 @@ def booking(name: str = "task-1", mib: int = 4096) -> GpuReservation:
     return GpuReservation.new(name=name, namespace="jobs", pod="task", mib=mib, gpu=GPU, admission_uid="u1")
 
 
+def hold(name: str = "hold-1", mib: int = 4096) -> GpuReservation:
+    """Memory kept for a refused task's next try: a booking with no pod."""
+    return GpuReservation.new(
+        name=name, namespace="jobs", pod="task", mib=mib, gpu=GPU, admission_uid="u1", held_for="jobs/task"
+    )
+
+
 def reservations(kube: FakeKube) -> list[str]:
     return [p for p in kube.objects if p.startswith(reservations_path("jobs") + "/")]
 
@@ -88,18 +95,38 @@ async def settle() -> None:
     await asyncio.sleep(0.05)
 
 
-async def test_commit_books_labels_and_moves_the_gpus_token(running: tuple[FakeKube, KubeLedger]) -> None:
+async def test_commit_books_and_moves_the_gpus_token_in_two_writes(
+    running: tuple[FakeKube, KubeLedger],
+) -> None:
+    """A pod's booking: created, then the token bumped naming it; nothing more (issue #31: its pod is
+    its record of the commit, so the committed label, a third write per admission, is gone)."""
     kube, ledger = running
     snap = await ledger.snapshot()
     token = snap.tokens[GPU.uuid]
+    before = len(kube.calls)
     created = await ledger.commit(reservation=booking(), token=token)
     await settle()
+    await ledger.drain(timeout_s=1)
     (path,) = reservations(kube)
-    assert kube.objects[path]["metadata"]["labels"][LABEL_COMMITTED] == "true"
+    assert LABEL_COMMITTED not in kube.objects[path]["metadata"]["labels"]
     assert kube.objects[DEVICE]["metadata"]["annotations"][ANNOTATION_LEDGER] == (
         f"jobs/task-1@{created.meta.resource_version}"
     )
     assert kube.objects[DEVICE]["metadata"]["resourceVersion"] != token
+    writes = [(op, p) for op, p in kube.calls[before:] if op not in ("get", "list", "watch")]
+    assert writes == [("create", reservations_path("jobs")), ("merge_patch", DEVICE)]
+
+
+async def test_a_hold_is_labelled_committed_once_its_commit_held(
+    running: tuple[FakeKube, KubeLedger],
+) -> None:
+    """A hold has no pod to vouch for it: the label tells observers it is no mere candidate."""
+    kube, ledger = running
+    snap = await ledger.snapshot()
+    await ledger.commit(reservation=hold(), token=snap.tokens[GPU.uuid])
+    assert await ledger.drain(timeout_s=5) == 0
+    (path,) = reservations(kube)
+    assert kube.objects[path]["metadata"]["labels"][LABEL_COMMITTED] == "true"
 
 
 async def test_decisions_read_the_watch_not_the_api(running: tuple[FakeKube, KubeLedger]) -> None:
@@ -507,7 +534,7 @@ async def test_the_committed_label_is_retried_and_a_shutdown_waits_for_it(
 
     kube.fail = flaky
     snap = await ledger.snapshot()
-    await ledger.commit(reservation=booking(), token=snap.tokens[GPU.uuid])
+    await ledger.commit(reservation=hold(), token=snap.tokens[GPU.uuid])
     (path,) = reservations(kube)
     assert kube.objects[path]["metadata"]["labels"][LABEL_COMMITTED] == "false"  # the first tries failed
     assert await ledger.drain(timeout_s=5) == 0  # shutting down: the label still lands
@@ -526,5 +553,5 @@ async def test_a_label_that_keeps_failing_is_given_up_and_drain_is_bounded(
         else None
     )
     snap = await ledger.snapshot()
-    await ledger.commit(reservation=booking(), token=snap.tokens[GPU.uuid])
+    await ledger.commit(reservation=hold(), token=snap.tokens[GPU.uuid])
     assert await ledger.drain(timeout_s=0.2) == 1  # still backing off: left behind, not waited for
