@@ -68,19 +68,19 @@ def _controller_metrics(port: int) -> dict[str, float]:
         text = resp.read().decode()
     out: dict[str, float] = {}
     for line in text.splitlines():
-        m = re.match(
-            r"^(vramshare_(?:inventory_poll_seconds|gpudevice_status_writes)[a-z_]*) ([0-9.e+-]+)$", line
-        )
+        m = re.match(r"^(vramshare_inventory_poll_seconds_(?:sum|count)) ([0-9.e+-]+)$", line)
         if m:
             out[m.group(1)] = float(m.group(2))
+        m = re.match(r'^vramshare_gpudevice_status_writes_total\{why="([a-z]+)"\} ([0-9.e+-]+)$', line)
+        if m:
+            out[f"writes_{m.group(1)}"] = float(m.group(2))
     return out
 
 
 def _polls(port: int, *, polls: int, between: Callable[[], None] | None = None) -> dict[str, Any]:
     """Watch `polls` inventory polls complete; `between` runs right after the first one counted."""
-    start = _controller_metrics(port)
-    seen = start
-    per_poll: list[tuple[float, float]] = []
+    seen = _controller_metrics(port)
+    per_poll: list[tuple[float, float, float]] = []
     deadline = time.monotonic() + polls * POLL_INTERVAL_S * 6
     while len(per_poll) < polls and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -88,20 +88,19 @@ def _polls(port: int, *, polls: int, between: Callable[[], None] | None = None) 
         count = now.get("vramshare_inventory_poll_seconds_count", 0.0)
         if count > seen.get("vramshare_inventory_poll_seconds_count", 0.0):
             took = now["vramshare_inventory_poll_seconds_sum"] - seen["vramshare_inventory_poll_seconds_sum"]
-            writes = (
-                now["vramshare_gpudevice_status_writes_total"]
-                - seen["vramshare_gpudevice_status_writes_total"]
-            )
-            per_poll.append((round(took, 3), writes))
+            changed = now.get("writes_changed", 0.0) - seen.get("writes_changed", 0.0)
+            refreshed = now.get("writes_refresh", 0.0) - seen.get("writes_refresh", 0.0)
+            per_poll.append((round(took, 3), changed, refreshed))
             seen = now
             if between is not None and len(per_poll) == 1:
                 between()
-    if len(per_poll) < polls:
-        raise RuntimeError(f"only {len(per_poll)} of {polls} polls completed")
     return {
-        "poll_s": [p for p, _ in per_poll],
-        "status_writes": [w for _, w in per_poll],
-        "max_poll_s": max(p for p, _ in per_poll),
+        "completed": len(per_poll),
+        "watched_s": round(polls * POLL_INTERVAL_S * 6, 1),
+        "poll_s": [p for p, _, _ in per_poll],
+        "status_writes_changed": [c for _, c, _ in per_poll],
+        "status_writes_refresh": [r for _, _, r in per_poll],
+        "max_poll_s": max((p for p, _, _ in per_poll), default=None),
     }
 
 
@@ -177,12 +176,13 @@ def run(*, smoke: bool, out: Path | None, show: Callable[[str], None] = print) -
         time.sleep(2 * POLL_INTERVAL_S)
         show("polls with nothing changing")
         report["polls_unchanged"] = _polls(metrics_port, polls=3)
-        for changed in (10, 100) if not smoke else (4, 16):
+        # Each step moves its GPUs to a figure none of them had: every one of them changes.
+        for step, changed in enumerate((10, 100) if not smoke else (4, 16), start=1):
             show(f"polls with {changed} GPUs changing")
 
-            def change(count: int = changed) -> None:
+            def change(count: int = changed, used: int = 2_048 * step) -> None:
                 for _, gpu in fleet[:count]:
-                    cluster.exporter.set_used(gpu.uuid, gpu.used_mib + 1_024 * (1 + count % 3))
+                    cluster.exporter.set_used(gpu.uuid, used)
 
             report[f"polls_{changed}_changed"] = _polls(metrics_port, polls=3, between=change)
         show("admission on the fleet: 40 plain pods, then 40 GPU pods, one at a time")
@@ -221,8 +221,8 @@ def summary(report: dict[str, Any]) -> str:
     for key, value in report.items():
         if key.startswith("polls_"):
             lines.append(
-                f"  {key}: poll s {value['poll_s']} (max {value['max_poll_s']}), "
-                f"status writes per poll {value['status_writes']}"
+                f"  {key}: poll s {value['poll_s']} (max {value['max_poll_s']}), status writes per poll: "
+                f"changed {value['status_writes_changed']}, refresh {value['status_writes_refresh']}"
             )
     adm = report["admission"]
     lines.append(

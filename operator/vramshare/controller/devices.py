@@ -9,7 +9,9 @@ API server, so a new leader picks up where the old one stopped.
 from __future__ import annotations
 
 import asyncio
+import enum
 import hashlib
+import math
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -121,7 +123,16 @@ def refresh_after(uuid: str, *, max_sample_age_s: float) -> float:
     return max_sample_age_s / 4 * (0.75 + 0.25 * spread)
 
 
-def _worth_writing(desired: DeviceStatus, previous: DeviceStatus | None, *, refresh_s: float) -> bool:
+class Write(enum.Enum):
+    """Why a GPU's status is written this poll."""
+
+    CHANGED = "changed"
+    """Its figures, state or conditions changed (or it has no status yet): always written."""
+    REFRESH = "refresh"
+    """Only its sample time moved on, past its refresh interval: written within the poll's budget."""
+
+
+def _why_write(desired: DeviceStatus, previous: DeviceStatus | None, *, refresh_s: float) -> Write | None:
     """Whether the status changed enough to write. A new sample with the same figures only moves
     `sampledAt`/`lastSeenAt`; those are refreshed every `refresh_s` (about a quarter of the maximum
     sample age, see `refresh_after`), not every poll. Every write moves the GPU's ledger token, and so
@@ -129,14 +140,24 @@ def _worth_writing(desired: DeviceStatus, previous: DeviceStatus | None, *, refr
     retrying for nothing. A stored sample time that lags makes decisions count more memory as not yet
     visible, never less."""
     if previous is None:
-        return True
+        return Write.CHANGED
     times = ("sampledAt", "lastSeenAt")
     now_wire = {k: v for k, v in desired.to_wire().items() if k not in times}
     before_wire = {k: v for k, v in previous.to_wire().items() if k not in times}
     if now_wire != before_wire:
-        return True
+        return Write.CHANGED
     seen_lag = (desired.last_seen_at or 0.0) - (previous.last_seen_at or 0.0)
-    return desired.sampled_at - previous.sampled_at >= refresh_s or seen_lag >= refresh_s
+    if desired.sampled_at - previous.sampled_at >= refresh_s or seen_lag >= refresh_s:
+        return Write.REFRESH
+    return None
+
+
+def refresh_budget(gpus: int, *, poll_interval_s: float, max_sample_age_s: float) -> int:
+    """How many unchanged GPUs one poll may refresh: enough for every GPU once per its shortest
+    refresh interval (3/16 of the maximum sample age) at this poll interval. Without a bound, a poll
+    that took longer than the refresh interval (a thousand GPUs on a busy API server) found every GPU
+    due again, and rewrote the whole fleet on every poll."""
+    return max(1, math.ceil(gpus * poll_interval_s / (max_sample_age_s * 3 / 16)))
 
 
 def _overused(status: DeviceStatus | None) -> bool:
@@ -175,6 +196,8 @@ class InventoryLoop:
         self.outage: str | None = None
         self.preflight = DeliveryPreflight(kube=kube, settings=settings, state=state)
         self.capacity = NodeCapacity(kube=kube, state=state, resource=settings.memory_resource)
+        self._refreshes_left = 0
+        """Unchanged GPUs this poll may still refresh (see `refresh_budget`)."""
         self._delivery: dict[str, tuple[Check, ...]] = {}
         """This poll's preflight, by node."""
 
@@ -278,7 +301,7 @@ class InventoryLoop:
         for device in devices:
             gpu = device.to_domain()
             if gpu is not None and device.status is not None and device.status.last_seen_at is not None:
-                # The stored times lag by up to a refresh interval (see _worth_writing); this
+                # The stored times lag by up to a refresh interval (see _why_write); this
                 # leader's own memory of the last sighting is newer.
                 seen = max(device.status.last_seen_at, self._last_seen.get(gpu.uuid, 0.0))
                 known.append(Known(gpu=gpu, last_seen_at=seen, drift=self._drift.get(gpu.uuid)))
@@ -297,6 +320,20 @@ class InventoryLoop:
         self._delivery = self.preflight.checks()
         gone = to_forget(statuses, reservations=reservations, now=now, settings=self.settings.inventory)
         slots = asyncio.Semaphore(WRITES_IN_FLIGHT)
+        self._refreshes_left = refresh_budget(
+            len(statuses),
+            poll_interval_s=self.settings.poll_interval_s,
+            max_sample_age_s=self.settings.accounting.max_sample_age_s,
+        )
+
+        def stored_sample(judged: Judged) -> float:
+            recorded = by_uuid.get(judged.gpu.uuid)
+            status = recorded.status if recorded is not None else None
+            return status.sampled_at if status is not None else float("-inf")
+
+        # The longest unrefreshed first: each decides whether to write before its first await, in
+        # this order, so the refresh budget goes to the oldest samples.
+        ordered = sorted(statuses, key=stored_sample)
 
         async def keep(judged: Judged) -> None:
             recorded = by_uuid.get(judged.gpu.uuid)
@@ -306,7 +343,7 @@ class InventoryLoop:
                 else:
                     await self._write_device(judged, recorded, reservations=reservations, now=now)
 
-        outcomes = await asyncio.gather(*(keep(j) for j in statuses), return_exceptions=True)
+        outcomes = await asyncio.gather(*(keep(j) for j in ordered), return_exceptions=True)
         failed = [o for o in outcomes if isinstance(o, BaseException)]
         if failed:  # the others' writes stand; the next poll tries these again
             raise failed[0]
@@ -406,9 +443,14 @@ class InventoryLoop:
         )
         self._last_seen[gpu.uuid] = judged.last_seen_at
         refresh_s = refresh_after(gpu.uuid, max_sample_age_s=self.settings.accounting.max_sample_age_s)
-        if not _worth_writing(desired, previous, refresh_s=refresh_s):
+        why = _why_write(desired, previous, refresh_s=refresh_s)
+        if why is None:
             return
-        self.metrics.device_status_writes.inc()
+        if why is Write.REFRESH:
+            if self._refreshes_left <= 0:
+                return  # the next poll refreshes it (the oldest go first)
+            self._refreshes_left -= 1
+        self.metrics.device_status_writes.labels(why.value).inc()
         written = await self._write_status(device, desired)
         if written is None:
             return

@@ -113,8 +113,9 @@ class ControllerMetrics:
         )
         self.device_status_writes = Counter(
             "vramshare_gpudevice_status_writes",
-            "GpuDevice status writes: only GPUs whose figures or state changed, and a refresh of each "
-            "GPU's sample time every max_sample_age_s / 4 (spread over time, GPU by GPU).",
+            "GpuDevice status writes, by why: changed (figures, state or conditions) or refresh (only "
+            "the sample time, about every max_sample_age_s / 4 per GPU, within a budget per poll).",
+            ["why"],
             registry=self.registry,
         )
         self.queue_status_writes = Counter(

@@ -9,7 +9,7 @@ from dataclasses import replace
 
 from tests.unit.domain.builders import NOW
 from tests.unit.fake_kube import FakeKube, fed_state
-from vramshare.controller.devices import InventoryLoop, refresh_after
+from vramshare.controller.devices import InventoryLoop, refresh_after, refresh_budget
 from vramshare.controller.metrics import ControllerMetrics
 from vramshare.controller.settings import ControllerSettings
 from vramshare.dcgm_series import DcgmReading
@@ -252,7 +252,38 @@ async def test_a_poll_writes_only_the_gpus_whose_figures_changed() -> None:
         ]
         await inventory.poll()
         assert status_writes(kube) - before == 3
-        assert inventory.metrics.device_status_writes._value.get() == 67
+        writes = inventory.metrics.device_status_writes
+        assert writes.labels("changed")._value.get() == 67
+        assert writes.labels("refresh")._value.get() == 0
+
+
+async def test_a_poll_refreshes_unchanged_gpus_oldest_first_within_its_budget() -> None:
+    """A fleet whose every sample time is due (a poll came late) is refreshed a share per poll, the
+    oldest first, not all at once: 64 GPUs at 5 s polls and a 120 s maximum age: 15 a poll."""
+    fleet = [replace(SAMPLE, uuid=f"GPU-{i:02d}", index=i % 8, free_mib=16_000) for i in range(64)]
+    now = [NOW + 1]
+    source = Source(*fleet)
+    async with loop(source, now) as (kube, inventory):
+        await inventory.poll()
+        before = status_writes(kube)
+        now[0] += 40  # past every GPU's refresh interval (22.5 to 30 s)
+        source.samples = [replace(s, sampled_at=NOW + 40) for s in fleet]
+        await inventory.poll()
+        assert refresh_budget(64, poll_interval_s=5, max_sample_age_s=120) == 15
+        assert status_writes(kube) - before == 15
+        first = refreshed_since(kube, NOW + 1)
+        assert len(first) == 15
+        now[0] += 5
+        await inventory.poll()  # the next 15, none of the first again: the oldest go first
+        assert status_writes(kube) - before == 30
+        assert len(refreshed_since(kube, NOW + 1)) == 30
+        assert inventory.metrics.device_status_writes.labels("refresh")._value.get() == 30
+
+
+def refreshed_since(kube: FakeKube, sampled_at: float) -> set[str]:
+    """The GPUs whose stored sample is newer than `sampled_at`."""
+    devices = [GpuDevice.from_wire(o) for p, o in kube.objects.items() if "/gpudevices/" in p]
+    return {d.spec.uuid for d in devices if d.status is not None and d.status.sampled_at > sampled_at}
 
 
 def test_unchanged_gpus_refresh_their_sample_time_spread_over_a_window() -> None:
