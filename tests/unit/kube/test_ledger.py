@@ -555,3 +555,22 @@ async def test_a_label_that_keeps_failing_is_given_up_and_drain_is_bounded(
     snap = await ledger.snapshot()
     await ledger.commit(reservation=hold(), token=snap.tokens[GPU.uuid])
     assert await ledger.drain(timeout_s=0.2) == 1  # still backing off: left behind, not waited for
+
+
+async def test_a_token_nobody_can_vouch_for_sends_the_view_to_a_consistent_read() -> None:
+    """A GPU whose ledger annotation carries no version (written before vramshare recorded it) can be
+    vouched for only by a consistent read, even beside a GPU whose token names a version: the view's
+    check once took the largest version over all GPUs, and that hid the unknown one."""
+    kube = await cluster()
+    other = gpu("GPU-b", total=16_384)
+    await add_idle_gpu(kube, other)
+    await kube.merge_patch(DEVICE, {"metadata": {"annotations": {ANNOTATION_LEDGER: "jobs/old"}}})
+    await kube.merge_patch(
+        devices_path("gpu-b"), {"metadata": {"annotations": {ANNOTATION_LEDGER: "jobs/x@1"}}}
+    )
+    async with fed(KubeLedger(kube)) as ledger:  # type: ignore[arg-type]
+        await settle()
+        before = lists(kube)
+        snapshot = await ledger.snapshot()
+        assert not snapshot.live
+        assert lists(kube) > before
