@@ -118,7 +118,7 @@ def run(*, smoke: bool, out: Path | None, show: Callable[[str], None] = print) -
             [webhook_configuration(cluster, ports={"a": ports[0], "b": ports[1]}, as_the_chart=True)]
         )
         start_mutating_webhook(cluster, mode="null")
-        controller, metrics_port = start_controller(
+        _, metrics_port = start_controller(
             cluster,
             name="controller",
             env={
@@ -204,7 +204,6 @@ def run(*, smoke: bool, out: Path | None, show: Callable[[str], None] = print) -
             name: mem_mib(cluster.components[name].process.pid, "VmRSS")  # type: ignore[union-attr]
             for name in ("controller", "webhook-a", "webhook-b")
         }
-        del controller
     show(summary(report))
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
