@@ -74,6 +74,9 @@ def _controller_metrics(port: int) -> dict[str, float]:
         m = re.match(r'^vramshare_gpudevice_status_writes_total\{why="([a-z]+)"\} ([0-9.e+-]+)$', line)
         if m:
             out[f"writes_{m.group(1)}"] = float(m.group(2))
+        m = re.match(r'^vramshare_inventory_heartbeat_gpus\{coverage="([a-z]+)"\} ([0-9.e+-]+)$', line)
+        if m:
+            out[f"heartbeat_{m.group(1)}"] = float(m.group(2))
     return out
 
 
@@ -101,6 +104,9 @@ def _polls(port: int, *, polls: int, between: Callable[[], None] | None = None) 
         "status_writes_changed": [c for _, c, _ in per_poll],
         "status_writes_refresh": [r for _, _, r in per_poll],
         "max_poll_s": max((p for p, _, _ in per_poll), default=None),
+        # GPUs the last poll's heartbeat dated (no status write of their own), and those it did not.
+        "heartbeat_confirmed": seen.get("heartbeat_confirmed", 0.0),
+        "heartbeat_unconfirmed": seen.get("heartbeat_unconfirmed", 0.0),
     }
 
 
@@ -221,7 +227,9 @@ def summary(report: dict[str, Any]) -> str:
         if key.startswith("polls_"):
             lines.append(
                 f"  {key}: poll s {value['poll_s']} (max {value['max_poll_s']}), status writes per poll: "
-                f"changed {value['status_writes_changed']}, refresh {value['status_writes_refresh']}"
+                f"changed {value['status_writes_changed']}, refresh {value['status_writes_refresh']}; "
+                f"heartbeat dated {value['heartbeat_confirmed']:.0f} GPUs "
+                f"({value['heartbeat_unconfirmed']:.0f} not)"
             )
     adm = report["admission"]
     lines.append(

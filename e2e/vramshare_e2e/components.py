@@ -46,6 +46,10 @@ VRAMSHARE_RULES = [
 ]
 
 
+CONTROLLER_NAMESPACE = "default"
+"""Where the controllers the tests start keep their Lease."""
+
+
 def start_webhook(
     cluster: LocalCluster,
     *,
@@ -69,6 +73,8 @@ def start_webhook(
         "VRAMSHARE_TLS_CERT_FILE": str(pair.cert_path),
         "VRAMSHARE_TLS_KEY_FILE": str(pair.key_path),
         "VRAMSHARE_KUBECONFIG": str(kubeconfig or cluster.kubeconfig),
+        # Where start_controller's replicas keep their Lease (and the inventory heartbeat on it).
+        "VRAMSHARE_CONTROLLER_LEASE": f"{CONTROLLER_NAMESPACE}/vramshare-controller",
         "PYTHONUNBUFFERED": "1",
         **(env or {}),
     }
@@ -193,7 +199,7 @@ def start_controller(
         "VRAMSHARE_PROMETHEUS_URL": cluster.prometheus_url,
         "VRAMSHARE_METRICS_PORT": str(port),
         "VRAMSHARE_KUBECONFIG": str(kubeconfig or cluster.kubeconfig),
-        "VRAMSHARE_NAMESPACE": "default",
+        "VRAMSHARE_NAMESPACE": CONTROLLER_NAMESPACE,
         "VRAMSHARE_IDENTITY": name,
         "PYTHONUNBUFFERED": "1",
         **(env or {}),

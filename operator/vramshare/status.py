@@ -19,10 +19,12 @@ from typing import Any
 import yaml
 
 from vramshare.domain import ReservationPhase
+from vramshare.domain.freshness import InventoryHeartbeat
 from vramshare.domain.models import mig_summary
-from vramshare.kube.client import Connection, KubeClient, list_all
+from vramshare.kube.client import ApiError, Connection, KubeClient, list_all
+from vramshare.kube.heartbeat import lease_heartbeat
 from vramshare.kube.objects import GpuDevice, GpuReservation
-from vramshare.kube.resources import devices_path, reservations_path
+from vramshare.kube.resources import LABEL_HEARTBEAT_LEASE, devices_path, reservations_path
 
 BAR_WIDTH = 24
 
@@ -69,10 +71,21 @@ class Status:
     reservations: list[ReservationRow]
 
 
-def from_objects(devices: list[dict[str, Any]], reservations: list[dict[str, Any]], *, now: float) -> Status:
+def from_objects(
+    devices: list[dict[str, Any]],
+    reservations: list[dict[str, Any]],
+    *,
+    now: float,
+    heartbeat: InventoryHeartbeat | None = None,
+) -> Status:
+    """`heartbeat`: the controller's, read before the devices (it dates the GPUs whose figures did not
+    change, as the webhook does; see vramshare.domain.freshness)."""
     gpus = []
     for device in (GpuDevice.from_wire(d) for d in devices):
         st = device.status
+        sampled_at = None if st is None else st.sampled_at
+        if st is not None and heartbeat is not None and heartbeat.confirms(device.spec.uuid):
+            sampled_at = max(st.sampled_at, heartbeat.sampled_at)
         gpus.append(
             GpuRow(
                 node=device.spec.node_name,
@@ -84,7 +97,7 @@ def from_objects(devices: list[dict[str, Any]], reservations: list[dict[str, Any
                 used_mib=st.used_mib if st else 0,
                 reserved_mib=st.reserved_mib if st else 0,
                 headroom_mib=st.headroom_mib if st else 0,
-                sample_age_s=None if st is None else max(0.0, now - st.sampled_at),
+                sample_age_s=None if sampled_at is None else max(0.0, now - sampled_at),
                 mig=mig_summary(st.mig) if st is not None and st.mig else "",
                 delivery=st.delivery.result if st is not None and st.delivery else "",
                 delivery_mode=st.delivery.mode if st is not None and st.delivery else "",
@@ -259,9 +272,27 @@ async def fetch(
     async with KubeClient(
         Connection.load(kubeconfig=kubeconfig, context=context), user_agent="vramshare-status"
     ) as kube:
+        heartbeat = await _heartbeat(kube)  # before the devices: they then hold what it confirms
         devices = (await list_all(kube, devices_path())).get("items", [])
         reservations = (await list_all(kube, reservations_path(namespace))).get("items", [])
-    return from_objects(devices, reservations, now=time.time())
+    return from_objects(devices, reservations, now=time.time(), heartbeat=heartbeat)
+
+
+async def _heartbeat(kube: KubeClient) -> InventoryHeartbeat | None:
+    """The newest heartbeat on a controller Lease (found by its label), if this user may read Leases;
+    otherwise stored sample times are shown."""
+    try:
+        leases = await list_all(
+            kube, "/apis/coordination.k8s.io/v1/leases", label_selector=LABEL_HEARTBEAT_LEASE
+        )
+    except ApiError:
+        return None
+    return newest_heartbeat(leases.get("items", []))
+
+
+def newest_heartbeat(leases: list[dict[str, Any]]) -> InventoryHeartbeat | None:
+    found = [h for h in (lease_heartbeat(lease) for lease in leases) if h is not None]
+    return max(found, key=lambda h: h.sampled_at, default=None)
 
 
 def main(argv: list[str] | None = None) -> None:

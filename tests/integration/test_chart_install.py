@@ -93,6 +93,8 @@ def can(stack: LocalCluster, sa: str, *args: str) -> bool:
         (WEBHOOK_SA, ["patch", "mutatingwebhookconfigurations/someone-elses"]),
         (WEBHOOK_SA, ["update", "gpureservations/status", "-n", "default"]),
         (WEBHOOK_SA, ["delete", "gpudevices"]),
+        (WEBHOOK_SA, ["update", "leases/t-vramshare-controller", "-n", NS]),  # it only reads the heartbeat
+        (WEBHOOK_SA, ["watch", "leases/kube-scheduler", "-n", NS]),
         (CONTROLLER_SA, ["get", "secrets", "-n", NS]),
         (CONTROLLER_SA, ["delete", "pods", "-n", "default"]),
         (CONTROLLER_SA, ["create", "pods", "-n", "default"]),
@@ -114,6 +116,8 @@ def test_identities_have_what_they_need(stack: LocalCluster) -> None:
     assert can(stack, CONTROLLER_SA, "patch", "pods", "-n", "jobs")  # queue mode places gated pods
     assert can(stack, WEBHOOK_SA, "watch", "namespaces")  # queue mode chosen by namespace label
     assert can(stack, CONTROLLER_SA, "update", "leases/t-vramshare-controller", "-n", NS)
+    # The inventory heartbeat on the controller's Lease dates unchanged GPUs for the webhook.
+    assert can(stack, WEBHOOK_SA, "watch", "leases/t-vramshare-controller", "-n", NS)
     assert can(stack, CONTROLLER_SA, "create", "gpureservations", "-n", "jobs")  # the queue head's hold
     assert can(stack, CONTROLLER_SA, "patch", "nodes", "--subresource=status")  # GPU memory as node capacity
     assert can(stack, CONTROLLER_SA, "watch", "namespaces")  # queue weights
@@ -153,6 +157,7 @@ def test_vramshare_runs_as_the_chart_identities(stack: LocalCluster) -> None:
             "VRAMSHARE_TLS_NAMES": "127.0.0.1",
             "VRAMSHARE_TLS_SECRET": "t-vramshare-webhook-tls",
             "VRAMSHARE_WEBHOOK_CONFIGURATION": "t-vramshare",
+            "VRAMSHARE_CONTROLLER_LEASE": f"{NS}/t-vramshare-controller",
             "VRAMSHARE_SETTLE_S": "2",
         },
     )
@@ -233,6 +238,8 @@ def test_vramshare_runs_as_the_chart_identities(stack: LocalCluster) -> None:
     for component in ("webhook", "controller"):
         log = stack.components[component].log_path.read_text()
         assert "forbidden" not in log.lower(), log[-3000:]
+    lease = json.loads(stack.kubectl("get", "lease", "t-vramshare-controller", "-n", NS, "-o", "json"))
+    assert "vramshare.io/inventory-heartbeat" in lease["metadata"]["annotations"]
 
 
 def test_pinning_annotations_cannot_be_changed_after_admission(stack: LocalCluster) -> None:

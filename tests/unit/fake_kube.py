@@ -38,6 +38,15 @@ def _merge(target: Obj, patch: Obj) -> Obj:
     return out
 
 
+def _named(obj: Obj, field_selector: str | None) -> bool:
+    """The one field selector vramshare uses: `metadata.name=<name>`."""
+    if not field_selector:
+        return True
+    field, _, value = field_selector.partition("=")
+    assert field == "metadata.name", field_selector
+    return bool(obj["metadata"]["name"] == value)
+
+
 def _selected(obj: Obj, selector: str | None) -> bool:
     labels = obj.get("metadata", {}).get("labels") or {}
     for term in (selector or "").split(","):
@@ -77,14 +86,22 @@ class FakeKube:
         self._changed = asyncio.Event()
 
     async def watch(
-        self, path: str, *, resource_version: str, label_selector: str | None = None, timeout_s: int = 300
+        self,
+        path: str,
+        *,
+        resource_version: str,
+        label_selector: str | None = None,
+        field_selector: str | None = None,
+        timeout_s: int = 300,
     ) -> AsyncIterator[Obj]:
         """Every change after `resource_version` under `path`, then new ones as they come."""
         self._check("watch", path)
         since = int(resource_version)
         prefix = path.rstrip("/") + "/"
         # As the API server does: an object that stops matching the selector is DELETED for this watch.
-        matching = {p for p, o in self.objects.items() if _selected(o, label_selector)}
+        matching = {
+            p for p, o in self.objects.items() if _selected(o, label_selector) and _named(o, field_selector)
+        }
         while True:
             for rv, at, kind, obj in list(self.events):
                 if rv <= since:
@@ -92,7 +109,7 @@ class FakeKube:
                 since = rv
                 if not (at.startswith(prefix) or _in_all_namespaces(at, path)):
                     continue
-                if kind != "DELETED" and _selected(obj, label_selector):
+                if kind != "DELETED" and _selected(obj, label_selector) and _named(obj, field_selector):
                     matching.add(at)
                     yield {"type": kind, "object": copy.deepcopy(obj)}
                 elif at in matching:
@@ -129,6 +146,7 @@ class FakeKube:
         path: str,
         *,
         label_selector: str | None = None,
+        field_selector: str | None = None,
         resource_version: str | None = None,
         not_older_than: bool = False,
         limit: int | None = None,
@@ -140,7 +158,9 @@ class FakeKube:
         items = [
             copy.deepcopy(o)
             for p, o in sorted(self.objects.items())
-            if (p.startswith(prefix) or _in_all_namespaces(p, path)) and _selected(o, label_selector)
+            if (p.startswith(prefix) or _in_all_namespaces(p, path))
+            and _selected(o, label_selector)
+            and _named(o, field_selector)
         ]
         start = int(continue_token or 0)
         end = start + limit if limit else len(items)

@@ -7,8 +7,10 @@ import json
 import yaml
 
 from tests.unit.domain.builders import NOW
+from vramshare.domain.freshness import InventoryHeartbeat
+from vramshare.kube.heartbeat import ANNOTATION_HEARTBEAT, encode
 from vramshare.kube.resources import format_time
-from vramshare.status import GpuRow, bar, from_objects, output, render, to_json
+from vramshare.status import GpuRow, bar, from_objects, newest_heartbeat, output, render, to_json
 
 DEVICE = {
     "metadata": {"name": "gpu-1234567890abcdef"},
@@ -209,3 +211,31 @@ def test_the_delivery_preflight_shows_per_gpu_and_why_a_node_cannot() -> None:
     assert json.loads(to_json(from_objects([cannot], [], now=NOW)))["gpus"][0]["delivery"] == "CannotDeliver"
     plain = render(from_objects([DEVICE], [], now=NOW))
     assert "cannot deliver" not in plain
+
+
+def test_sample_ages_count_from_the_controllers_heartbeat_where_it_confirms_the_gpu() -> None:
+    """Issue #31: an unchanged GPU's status is not rewritten; the newest heartbeat on a controller
+    Lease dates it, as the webhook dates it."""
+
+    def lease(name: str, beat: InventoryHeartbeat) -> dict[str, object]:
+        return {
+            "metadata": {
+                "name": name,
+                "namespace": "vramshare",
+                "annotations": {ANNOTATION_HEARTBEAT: encode(beat)},
+            }
+        }
+
+    old = {**DEVICE, "status": {**DEVICE["status"], "sampledAt": format_time(NOW - 600)}}
+    newer = InventoryHeartbeat(sampled_at=NOW - 2, devices_version=7)
+    heartbeat = newest_heartbeat(
+        [lease("a", InventoryHeartbeat(sampled_at=NOW - 50, devices_version=1)), lease("b", newer)]
+    )
+    assert heartbeat == newer
+    dated = from_objects([old], [], now=NOW, heartbeat=heartbeat)
+    assert dated.gpus[0].sample_age_s == 2
+    unconfirmed = InventoryHeartbeat(
+        sampled_at=NOW - 2, devices_version=7, unconfirmed=frozenset({"GPU-1234567890abcdef"})
+    )
+    assert from_objects([old], [], now=NOW, heartbeat=unconfirmed).gpus[0].sample_age_s == 600
+    assert from_objects([old], [], now=NOW).gpus[0].sample_age_s == 600

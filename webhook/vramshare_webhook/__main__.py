@@ -18,6 +18,7 @@ from vramshare import logs
 from vramshare.domain import has_room_for_its_bookings
 from vramshare.domain.scheduling import NodeView
 from vramshare.kube.client import Connection, KubeClient
+from vramshare.kube.lease_watch import HeartbeatSource, LeaseHeartbeat
 from vramshare.kube.ledger import KubeLedger
 from vramshare.kube.pods import node_view
 from vramshare.kube.resources import LABEL_RESERVATION
@@ -62,6 +63,8 @@ async def serve(settings: WebhookSettings) -> None:
     connection = Connection.load(kubeconfig=settings.kubeconfig or None)
     async with KubeClient(connection, user_agent="vramshare-webhook") as kube:
         metrics = WebhookMetrics()
+        lease_namespace, lease_name = settings.lease_ref
+        heartbeat = LeaseHeartbeat(kube, namespace=lease_namespace, name=lease_name)
         ledger = KubeLedger(
             kube,
             on_write=lambda resource, verb: metrics.api_writes.labels(resource, verb).inc(),
@@ -70,6 +73,7 @@ async def serve(settings: WebhookSettings) -> None:
                 gpu, index, accounting=settings.accounting, now=time.time()
             ),
             on_rebase=metrics.rebased_commits.inc,
+            heartbeat=HeartbeatSource(heartbeat.latest),
         )
         tls, secret = await _certificates(settings, kube)
         # Namespaces choose queue mode and guardrails by label.
@@ -87,7 +91,9 @@ async def serve(settings: WebhookSettings) -> None:
 
         def ready() -> bool:
             # Ready once the watch caches hold the inventory and the live ledger.
-            synced = ledger.synced and all(c.synced.is_set() for c in (namespaces, nodes, quotas, gpu_pods))
+            synced = ledger.synced and all(
+                c.synced.is_set() for c in (namespaces, nodes, quotas, gpu_pods, heartbeat.cache)
+            )
             return synced and (secret is None or not secret.manage or secret.injected)
 
         # ResourceQuotas: a namespace's GPU-memory quota (only those on the memory resource are kept).
@@ -149,6 +155,7 @@ async def serve(settings: WebhookSettings) -> None:
             asyncio.create_task(nodes.run()),
             asyncio.create_task(quotas.run()),
             asyncio.create_task(gpu_pods.run()),
+            asyncio.create_task(heartbeat.run()),
             asyncio.create_task(announce_sync()),
         ]
         if secret is None:

@@ -27,6 +27,7 @@ from vramshare.domain.tenancy import (
     DEFAULT_PENDING_MIB_PER_USER,
     TenancySettings,
 )
+from vramshare.kube.heartbeat import DEFAULT_CONTROLLER_LEASE, parse_lease_ref
 from vramshare.kube.resources import MEMORY_RESOURCE, is_extended_resource_name, is_object_name
 from vramshare.logs import LEVELS
 from vramshare.settings import check_accounting, from_env, invalid
@@ -176,6 +177,9 @@ class WebhookSettings:
     """The MutatingWebhookConfiguration whose caBundle the self-managed mode keeps."""
     namespace: str = "vramshare"
     """The webhook's own namespace (where its TLS Secret lives); the chart sets it from the pod."""
+    controller_lease: str = ""
+    """`<namespace>/<name>` of the controller's Lease, which carries the inventory heartbeat (the
+    sample time of GPUs whose figures did not change); empty: `<namespace>/vramshare-controller`."""
     kubeconfig: str = ""
     """Empty: the in-cluster service account."""
     log_level: str = "info"
@@ -277,6 +281,13 @@ class WebhookSettings:
                 f"60 to {MAX_SERVING_VALIDITY_S:g} seconds (397 days, the most browsers and most policies "
                 "accept for a serving certificate)",
             )
+        if self.controller_lease:
+            try:
+                parse_lease_ref(self.controller_lease)
+            except ValueError:
+                raise invalid(
+                    "controller_lease", self.controller_lease, "<namespace>/<name> of the controller's Lease"
+                ) from None
         if self.tls_ca_validity_s <= self.tls_serving_validity_s:
             raise invalid(
                 "tls_ca_validity_s",
@@ -284,6 +295,13 @@ class WebhookSettings:
                 f"more seconds than tls_serving_validity_s ({self.tls_serving_validity_s:g})",
             )
         return self
+
+    @property
+    def lease_ref(self) -> tuple[str, str]:
+        """(namespace, name) of the controller's Lease."""
+        if not self.controller_lease:
+            return self.namespace, DEFAULT_CONTROLLER_LEASE
+        return parse_lease_ref(self.controller_lease)
 
     @property
     def tls_name_list(self) -> tuple[str, ...]:

@@ -10,6 +10,7 @@ import os
 import signal
 import sys
 from collections.abc import Coroutine
+from functools import partial
 from typing import Any
 
 import kopf
@@ -28,7 +29,10 @@ from vramshare.controller.queue import QueueLoop
 from vramshare.controller.reservations import ReservationReconciler
 from vramshare.controller.settings import ControllerSettings
 from vramshare.controller.state import ClusterState
+from vramshare.domain.freshness import InventoryHeartbeat
 from vramshare.kube.client import Connection, KubeClient, Obj
+from vramshare.kube.heartbeat import ANNOTATION_HEARTBEAT, encode
+from vramshare.kube.lease_watch import HeartbeatSource, logged_heartbeat
 from vramshare.kube.ledger import KubeLedger
 from vramshare.kube.resources import GROUP, RESERVATIONS, VERSION
 from vramshare.prometheus import DcgmSource
@@ -73,18 +77,30 @@ def kopf_registry(
     return registry
 
 
+def newest_heartbeat(inventory: InventoryLoop, elector: LeaseElector) -> InventoryHeartbeat | None:
+    """This leader's last heartbeat; before its first poll, the one the last leader left on the Lease."""
+    return inventory.heartbeat or logged_heartbeat(elector.lease or {})
+
+
 async def run(settings: ControllerSettings) -> None:
     metrics = ControllerMetrics()
     start_http_server(settings.metrics_port, addr=settings.metrics_host, registry=metrics.registry)
     connection = Connection.load(kubeconfig=settings.kubeconfig or None)
     async with KubeClient(connection, user_agent="vramshare-controller") as kube:
+        published: dict[str, str] = {}
+        """The inventory heartbeat, carried on the Lease by every renewal."""
         elector = LeaseElector(
             kube=kube,
             namespace=settings.namespace,
             name=settings.lease_name,
             identity=settings.identity,
             timing=settings.lease,
+            annotations=lambda: published,
         )
+
+        def publish(heartbeat: InventoryHeartbeat) -> None:
+            published[ANNOTATION_HEARTBEAT] = encode(heartbeat)
+
         source = DcgmSource(
             url=settings.prometheus_url,
             node_label=settings.node_label,
@@ -101,9 +117,20 @@ async def run(settings: ControllerSettings) -> None:
                 metrics.leader.set(1)
                 try:
                     state = ClusterState(kube)
-                    ledger = KubeLedger(kube)
                     inventory = InventoryLoop(
-                        kube=kube, source=source, settings=settings, metrics=metrics, state=state
+                        kube=kube,
+                        source=source,
+                        settings=settings,
+                        metrics=metrics,
+                        state=state,
+                        on_heartbeat=lambda heartbeat: published.update(
+                            {ANNOTATION_HEARTBEAT: encode(heartbeat)}
+                        ),
+                    )
+                    # The queue's decisions date unchanged GPUs by the heartbeat too.
+                    ledger = KubeLedger(
+                        kube,
+                        heartbeat=HeartbeatSource(partial(newest_heartbeat, inventory, elector)),
                     )
                     pools = (
                         PoolSync(

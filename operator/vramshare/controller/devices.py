@@ -26,7 +26,17 @@ from vramshare.controller.state import ClusterState
 from vramshare.dcgm_series import Cause, DcgmReading, Unusable
 from vramshare.domain import Reservation
 from vramshare.domain.delivery_check import Check, Result
-from vramshare.domain.inventory import DeviceState, GpuPresence, Known, Sample, TotalDrift, observe, to_forget
+from vramshare.domain.freshness import MAX_UNCONFIRMED, InventoryHeartbeat, compose_heartbeat
+from vramshare.domain.inventory import (
+    DeviceState,
+    GpuPresence,
+    Known,
+    Sample,
+    TotalDrift,
+    heartbeat_candidates,
+    observe,
+    to_forget,
+)
 from vramshare.domain.inventory import DeviceStatus as Judged
 from vramshare.kube.client import ApiError, KubeClient
 from vramshare.kube.events import Event, Involved, post_event
@@ -177,9 +187,14 @@ class InventoryLoop:
         metrics: ControllerMetrics,
         state: ClusterState,
         clock: Callable[[], float] = time.time,
+        on_heartbeat: Callable[[InventoryHeartbeat], None] = lambda heartbeat: None,
     ) -> None:
         self.kube = kube
         self.state = state
+        self.on_heartbeat = on_heartbeat
+        """Told each poll's heartbeat, to publish on the Lease."""
+        self.heartbeat: InventoryHeartbeat | None = None
+        """The last heartbeat published (see `vramshare.domain.freshness`)."""
         self.source = source
         self.settings = settings
         self.metrics = metrics
@@ -334,19 +349,39 @@ class InventoryLoop:
         # The longest unrefreshed first: each decides whether to write before its first await, in
         # this order, so the refresh budget goes to the oldest samples.
         ordered = sorted(statuses, key=stored_sample)
+        window_s = self.settings.accounting.max_sample_age_s / 4
+        candidates = heartbeat_candidates(statuses, window_s=window_s)
+        last = self.heartbeat
+        # The heartbeat dates these: their sample times need no write of their own.
+        dated = {u for u in candidates if last is not None and last.confirms(u)}
+        landed: set[str] = set()
 
         async def keep(judged: Judged) -> None:
             recorded = by_uuid.get(judged.gpu.uuid)
             async with slots:
                 if judged in gone and recorded is not None:
                     await self._forget(recorded, judged, now=now)
-                else:
-                    await self._write_device(judged, recorded, reservations=reservations, now=now)
+                elif await self._write_device(
+                    judged,
+                    recorded,
+                    reservations=reservations,
+                    now=now,
+                    dated=judged.gpu.uuid in dated,
+                ):
+                    landed.add(judged.gpu.uuid)
 
         outcomes = await asyncio.gather(*(keep(j) for j in ordered), return_exceptions=True)
         failed = [o for o in outcomes if isinstance(o, BaseException)]
         if failed:  # the others' writes stand; the next poll tries these again
             raise failed[0]
+        self._publish(
+            compose_heartbeat(
+                confirmed={u: at for u, at in candidates.items() if u in landed},
+                known=(d.spec.uuid for d in self.state.devices.items.values()),
+                devices_version=self.state.devices.newest_version,
+                window_s=window_s,
+            )
+        )
         self.presence = GpuPresence.of(statuses)
         self.statuses = statuses
         forgotten = {j.gpu.uuid for j in gone}
@@ -354,6 +389,23 @@ class InventoryLoop:
         self.polled.set()
         self._export(statuses, reservations, now)
         return statuses
+
+    def _publish(self, heartbeat: InventoryHeartbeat | None) -> None:
+        if heartbeat is None:
+            if self.heartbeat is not None:
+                log.warning(
+                    "no inventory heartbeat: too many GPUs unconfirmed; sample times are refreshed by "
+                    "status writes",
+                    max_unconfirmed=MAX_UNCONFIRMED,
+                )
+            self.heartbeat = None  # the one on the Lease stays true; refresh writes take over
+            self.metrics.heartbeat_gpus.clear()
+            return
+        self.heartbeat = heartbeat
+        self.on_heartbeat(heartbeat)
+        unconfirmed = len(heartbeat.unconfirmed)
+        self.metrics.heartbeat_gpus.labels("confirmed").set(len(self.state.devices.items) - unconfirmed)
+        self.metrics.heartbeat_gpus.labels("unconfirmed").set(unconfirmed)
 
     async def _forget(self, device: GpuDevice, judged: Judged, *, now: float) -> None:
         """Delete the GpuDevice of a GPU gone for good (as it was read: a precondition), with an event."""
@@ -408,8 +460,16 @@ class InventoryLoop:
         return None
 
     async def _write_device(
-        self, judged: Judged, device: GpuDevice | None, *, reservations: list[Reservation], now: float
-    ) -> None:
+        self,
+        judged: Judged,
+        device: GpuDevice | None,
+        *,
+        reservations: list[Reservation],
+        now: float,
+        dated: bool = False,
+    ) -> bool:
+        """Write the GPU's status if it changed (or, unless the heartbeat `dated` it, its sample time
+        is due a refresh); True when the API server then holds this poll's figures for it."""
         gpu = judged.gpu
         spec = DeviceSpec(uuid=gpu.uuid, node_name=gpu.node, index=gpu.index, model=gpu.model)
         if device is None:
@@ -445,15 +505,15 @@ class InventoryLoop:
         refresh_s = refresh_after(gpu.uuid, max_sample_age_s=self.settings.accounting.max_sample_age_s)
         why = _why_write(desired, previous, refresh_s=refresh_s)
         if why is None:
-            return
-        if why is Write.REFRESH:
-            if self._refreshes_left <= 0:
-                return  # the next poll refreshes it (the oldest go first)
+            return True
+        if why is Write.REFRESH:  # only the times moved: the stored figures are this poll's
+            if dated or self._refreshes_left <= 0:
+                return True  # dated by the heartbeat, or refreshed next poll (the oldest go first)
             self._refreshes_left -= 1
         self.metrics.device_status_writes.labels(why.value).inc()
         written = await self._write_status(device, desired)
         if written is None:
-            return
+            return False
         self.state.devices.put(
             f"/{device.meta.name}", written, resource_version=written.meta.resource_version
         )
@@ -489,6 +549,7 @@ class InventoryLoop:
             )
         elif judged.overused_mib == 0 and was_over:
             log.info("GPU memory back within reservations", uuid=gpu.uuid, node=gpu.node)
+        return True
 
     async def _report_delivery(
         self, device: GpuDevice, previous: DeviceStatus | None, desired: DeviceStatus, *, now: float

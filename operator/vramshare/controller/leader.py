@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import structlog
 
 from vramshare.kube.client import ApiError, KubeClient, Obj
-from vramshare.kube.resources import format_time_precise
+from vramshare.kube.resources import LABEL_HEARTBEAT_LEASE, format_time_precise
 
 log = structlog.get_logger("vramshare.controller.leader")
 
@@ -69,6 +69,7 @@ class LeaseElector:
         timing: LeaseTiming,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
+        annotations: Callable[[], Mapping[str, str]] = dict,
     ) -> None:
         self.kube = kube
         self.path = f"/apis/coordination.k8s.io/v1/namespaces/{namespace}/leases/{name}"
@@ -80,6 +81,9 @@ class LeaseElector:
         """Local monotonic time: when a record was observed, how long since the last renewal."""
         self.wall_clock = wall_clock
         """Only for the times written into the Lease, for people to read."""
+        self.annotations = annotations
+        """Annotations the leader keeps on the Lease, written with each renewal (the inventory
+        heartbeat: no write of its own)."""
         self._lease: Obj | None = None
         self._observed: tuple[object, ...] | None = None
         self._observed_at = 0.0
@@ -94,10 +98,24 @@ class LeaseElector:
             "leaseTransitions": transitions,
         }
 
+    def _metadata(self, lease: Obj) -> Obj:
+        meta = dict(lease.get("metadata") or {})
+        extra = self.annotations()
+        if extra:
+            meta["annotations"] = {**(meta.get("annotations") or {}), **extra}
+            # So that readers who do not know its namespace and name (`vramshare status`) find it.
+            meta["labels"] = {**(meta.get("labels") or {}), LABEL_HEARTBEAT_LEASE: "true"}
+        return meta
+
     def _observe(self, lease: Obj) -> None:
         record = _record(lease.get("spec") or {})
         if record != self._observed:
             self._observed, self._observed_at = record, self.clock()
+
+    @property
+    def lease(self) -> Obj | None:
+        """The Lease as last written or read by this replica."""
+        return self._lease
 
     @property
     def leading(self) -> bool:
@@ -118,7 +136,9 @@ class LeaseElector:
                     {
                         "apiVersion": "coordination.k8s.io/v1",
                         "kind": "Lease",
-                        "metadata": {"name": self.name, "namespace": self.namespace},
+                        "metadata": self._metadata(
+                            {"metadata": {"name": self.name, "namespace": self.namespace}}
+                        ),
                         "spec": self._spec(transitions=0),
                     },
                 )
@@ -141,6 +161,7 @@ class LeaseElector:
                 self.path,
                 {
                     **lease,
+                    "metadata": self._metadata(lease),
                     "spec": self._spec(
                         transitions=transitions, acquired=spec.get("acquireTime") if ours else None
                     ),
@@ -204,6 +225,7 @@ class LeaseElector:
                     self.path,
                     {
                         **self._lease,
+                        "metadata": self._metadata(self._lease),
                         "spec": self._spec(
                             transitions=int(spec.get("leaseTransitions") or 0),
                             acquired=spec.get("acquireTime"),

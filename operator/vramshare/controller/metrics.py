@@ -111,10 +111,18 @@ class ControllerMetrics:
             buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
             registry=self.registry,
         )
+        self.heartbeat_gpus = Gauge(
+            "vramshare_inventory_heartbeat_gpus",
+            "GPUs the last poll's inventory heartbeat (on the Lease) confirmed, and those it did not "
+            "(not Ready, sampled long before the rest, or a status write that did not land).",
+            ["coverage"],
+            registry=self.registry,
+        )
         self.device_status_writes = Counter(
             "vramshare_gpudevice_status_writes",
             "GpuDevice status writes, by why: changed (figures, state or conditions) or refresh (only "
-            "the sample time, about every max_sample_age_s / 4 per GPU, within a budget per poll).",
+            "the sample time, of a GPU the inventory heartbeat does not confirm, about every "
+            "max_sample_age_s / 4, within a budget per poll).",
             ["why"],
             registry=self.registry,
         )

@@ -15,6 +15,7 @@ from vramshare.domain import Accounting, AllocationSettings, Policy, QueueSettin
 from vramshare.domain.delivery_check import MODES
 from vramshare.domain.inventory import InventorySettings
 from vramshare.domain.pools import PoolBasis, PoolRule
+from vramshare.kube.heartbeat import DEFAULT_CONTROLLER_LEASE
 from vramshare.kube.resources import MEMORY_RESOURCE, is_extended_resource_name, is_object_name
 from vramshare.logs import LEVELS
 from vramshare.prometheus import PrometheusAccess
@@ -102,7 +103,7 @@ class ControllerSettings:
     airflow_ca_file: str = ""
     """An https API server is verified against this CA bundle (default: the system's CAs)."""
     namespace: str = "vramshare"
-    lease_name: str = "vramshare-controller"
+    lease_name: str = DEFAULT_CONTROLLER_LEASE
     lease_duration_s: float = 15.0
     """A stand-by takes over a Lease it has seen unchanged for this long (by its own clock)."""
     lease_renew_deadline_s: float = 10.0

@@ -266,3 +266,16 @@ class GpuPresence:
             missing=frozenset(s.gpu.uuid for s in listed if s.state is DeviceState.MISSING),
             known=frozenset(s.gpu.uuid for s in listed),
         )
+
+
+def heartbeat_candidates(statuses: Iterable[DeviceStatus], *, window_s: float) -> dict[str, float]:
+    """The GPUs a poll's heartbeat may confirm, with each one's sample time: Ready, its reading taken,
+    and sampled at most `window_s` before the newest such sample (see
+    `vramshare.domain.freshness.compose_heartbeat`)."""
+    ready = {
+        s.gpu.uuid: s.gpu.sampled_at for s in statuses if s.state is DeviceState.READY and not s.rejected
+    }
+    if not ready:
+        return {}
+    newest = max(ready.values())
+    return {uuid: at for uuid, at in ready.items() if at >= newest - window_s}

@@ -173,6 +173,7 @@ class KubeClient:
         path: str,
         *,
         label_selector: str | None = None,
+        field_selector: str | None = None,
         resource_version: str | None = None,
         not_older_than: bool = False,
         limit: int | None = None,
@@ -184,6 +185,8 @@ class KubeClient:
         params = {}
         if label_selector:
             params["labelSelector"] = label_selector
+        if field_selector:
+            params["fieldSelector"] = field_selector
         if limit:
             params["limit"] = str(limit)
         if continue_token:
@@ -200,6 +203,7 @@ class KubeClient:
         *,
         resource_version: str,
         label_selector: str | None = None,
+        field_selector: str | None = None,
         timeout_s: int = 300,
     ) -> AsyncIterator[Obj]:
         """WATCH from `resource_version`, with bookmarks: yields each event ({"type", "object"}) until
@@ -214,6 +218,8 @@ class KubeClient:
         }
         if label_selector:
             params["labelSelector"] = label_selector
+        if field_selector:
+            params["fieldSelector"] = field_selector
         url = f"{self.connection.host}{path}?{urlencode(params)}"
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=timeout_s + 30)
         try:
@@ -251,6 +257,7 @@ class Lister(Protocol):
         path: str,
         *,
         label_selector: str | None = None,
+        field_selector: str | None = None,
         resource_version: str | None = None,
         not_older_than: bool = False,
         limit: int | None = None,

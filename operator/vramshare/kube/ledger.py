@@ -59,6 +59,15 @@ and counts until the controller has seen its pod gone or finished (or, with no p
 removes it. A booking this process withdraws (its pod will never exist) has the finalizer removed
 before it is deleted, so it stops counting at once, as before.
 
+**Sample times come from two objects** (issue #31). The controller writes a GpuDevice's status only
+when its figures or state change; that its figures were read again since is said once per poll by the
+inventory heartbeat on its Lease (`vramshare.domain.freshness`). The heartbeat names the devices'
+resourceVersion its figures are stored at, and a view applies it only once its device stream has passed
+that version (a consistent read: its list is later than any heartbeat already held), so a new sample
+time is never put on figures older than the ones it was read with. It moves sample times only later,
+and only changes which bookings count as not yet visible in used memory and which GPUs are stale, never
+the tokens: the commit protocol above is untouched.
+
 **Refusals** are decided on a consistent read (a quorum LIST of both kinds), never on the cache, so a
 pod is not refused on a view that missed released memory or a new GPU. Concurrent refusals share one
 such read, as long as it started after they arrived.
@@ -85,7 +94,9 @@ from typing import Any
 import structlog
 
 from vramshare.domain import Gpu, LedgerIndex, ReleaseLog, Reservation
+from vramshare.domain.freshness import InventoryHeartbeat, with_heartbeat
 from vramshare.kube.client import ApiError, KubeClient, Obj, list_all
+from vramshare.kube.lease_watch import HeartbeatSource
 from vramshare.kube.objects import GpuDevice, GpuReservation, remove_finalizer
 from vramshare.kube.resources import (
     ANNOTATION_LEDGER,
@@ -168,6 +179,11 @@ def last_commit_version(device: GpuDevice) -> int:
     return int(version) if version.isdigit() else -1
 
 
+def _version_of(device: GpuDevice) -> int:
+    raw = device.meta.resource_version
+    return int(raw) if raw.isdigit() else 0
+
+
 def _reservation_key(namespace: str, name: str) -> str:
     return f"{namespace}/{name}"
 
@@ -193,8 +209,12 @@ class KubeLedger:
         on_consistent_read: Callable[[], None] = lambda: None,
         has_room: Callable[[Gpu, LedgerIndex], bool] | None = None,
         on_rebase: Callable[[], None] = lambda: None,
+        heartbeat: HeartbeatSource | None = None,
     ) -> None:
         self.kube = kube
+        self.heartbeat = heartbeat
+        """The controller's inventory heartbeat: the sample time of GPUs whose figures did not change
+        (see `vramshare.domain.freshness`). Without it, stored sample times only."""
         self.clock = clock
         self.on_write = on_write
         """Told of every write (resource, verb), so the webhook can count API writes per admission."""
@@ -226,6 +246,11 @@ class KubeLedger:
         with a thousand GPUs that conversion cost more than the decision itself)."""
         self._view_gpus: tuple[tuple[Gpu, ...], dict[str, str]] | None = None
         """The GPUs and their tokens as the last view handed them out, until a device changes."""
+        self._view_heartbeat: InventoryHeartbeat | None = None
+        """The heartbeat the last view's GPUs are dated by."""
+        self._dated: dict[str, tuple[Gpu, InventoryHeartbeat | None, Gpu]] = {}
+        """GPU UUID -> (its GPU as stored, the heartbeat, dated by it): the same object while neither
+        changes, so what the ledger index remembers per GPU object stays valid."""
         self.devices.on_change(self._device_changed)
         self._own_tokens: dict[str, str] = {}
         """GPU UUID -> the token this process's last commit on it returned (no wait needed there)."""
@@ -253,7 +278,9 @@ class KubeLedger:
     def _device_changed(self, key: str, device: GpuDevice | None, _previous: GpuDevice | None) -> None:
         self._view_gpus = None
         if device is None:
-            self._devices.pop(key, None)
+            gone = self._devices.pop(key, None)
+            if gone is not None:
+                self._dated.pop(gone.uuid, None)
             return
         self._remember_mark(device)
         self._devices[key] = _DeviceView(
@@ -322,12 +349,27 @@ class KubeLedger:
         return await self.reservations.wait_for(needed, timeout_s=CATCH_UP_TIMEOUT_S)
 
     def _view(self) -> Snapshot:
-        if self._view_gpus is None:
-            gpus = tuple(d.gpu for d in self._devices.values() if d.gpu is not None)
+        heartbeat = (
+            self.heartbeat.current(devices_seen_to=self.devices.resource_version)
+            if self.heartbeat is not None
+            else None
+        )
+        if self._view_gpus is None or heartbeat is not self._view_heartbeat:
+            gpus = tuple(
+                self._dated_gpu(d.gpu, heartbeat) for d in self._devices.values() if d.gpu is not None
+            )
             tokens = {d.uuid: d.token for d in self._devices.values() if d.gpu is not None}
-            self._view_gpus = (gpus, tokens)
+            self._view_gpus, self._view_heartbeat = (gpus, tokens), heartbeat
         gpus, tokens = self._view_gpus
         return Snapshot(gpus=gpus, reservations=(), index=self.index, tokens=tokens, live=True)
+
+    def _dated_gpu(self, gpu: Gpu, heartbeat: InventoryHeartbeat | None) -> Gpu:
+        known = self._dated.get(gpu.uuid)
+        if known is not None and known[0] is gpu and known[1] is heartbeat:
+            return known[2]
+        dated = with_heartbeat(gpu, heartbeat)
+        self._dated[gpu.uuid] = (gpu, heartbeat, dated)
+        return dated
 
     async def _consistent(self) -> Snapshot:
         """A quorum read of both kinds. Callers that arrive while one is in flight wait for it and then
@@ -354,12 +396,18 @@ class KubeLedger:
             resource_version=devices["metadata"]["resourceVersion"],
             not_older_than=True,
         )
+        # Any heartbeat held now was published after the writes it relies on, so before this list.
+        heartbeat = (
+            self.heartbeat.for_read(devices_version=int(devices["metadata"]["resourceVersion"]))
+            if self.heartbeat is not None
+            else None
+        )
         gpus, tokens = [], {}
         for obj in devices.get("items", []):
             device = GpuDevice.from_wire(obj)
             gpu = device.to_domain()
             if gpu is not None:
-                gpus.append(gpu)
+                gpus.append(with_heartbeat(gpu, heartbeat))
                 tokens[gpu.uuid] = device.ledger_token
                 self._remember_mark(device)
         reservations = tuple(GpuReservation.from_wire(o).to_domain() for o in listed.get("items", []))
@@ -684,7 +732,12 @@ class KubeLedger:
         if needed < 0 or not await self._caught_up(needed):
             return False
         gpu = device.to_domain()
-        return gpu is not None and self.has_room(gpu, self.index)
+        if gpu is None:
+            return False
+        if self.heartbeat is not None:
+            # Read just now: as of its own resourceVersion or later, it holds every write before it.
+            gpu = with_heartbeat(gpu, self.heartbeat.for_read(devices_version=_version_of(device)))
+        return self.has_room(gpu, self.index)
 
     def _fail(self, entry: _Pending, error: BaseException) -> None:
         self.reservations.drop(entry.key)

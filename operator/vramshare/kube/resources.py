@@ -56,6 +56,8 @@ deletion of a pod deletes them through the ownerReference, both while the pod ma
 and holding GPU memory; the controller removes this finalizer once the booking has ended (its pod gone
 or finished, or never seen within the TTL)."""
 ANNOTATION_LEDGER = "vramshare.io/last-reservation"
+LABEL_HEARTBEAT_LEASE = "vramshare.io/inventory-heartbeat"
+"""On the controller's Lease once it carries the inventory heartbeat (see vramshare.kube.heartbeat)."""
 """On GpuDevices: bumped by every committed reservation; the optimistic-concurrency token."""
 
 Obj = dict[str, Any]

@@ -58,6 +58,7 @@ class WatchCache(Generic[T]):
         *,
         decode: Callable[[Obj], T],
         label_selector: str | None = None,
+        field_selector: str | None = None,
         name: str = "",
         watch_timeout_s: int = 300,
     ) -> None:
@@ -65,6 +66,7 @@ class WatchCache(Generic[T]):
         self.path = path
         self.decode = decode
         self.label_selector = label_selector
+        self.field_selector = field_selector
         self.name = name or path
         self.watch_timeout_s = watch_timeout_s
         self.items: dict[str, T] = {}
@@ -82,6 +84,12 @@ class WatchCache(Generic[T]):
         self.relists = 0
         self._progress = asyncio.Condition()
         self._on_change: list[Callable[[str, T | None, T | None], None]] = []
+
+    @property
+    def newest_version(self) -> int:
+        """The newest resourceVersion this cache holds: the stream's, or a write of this process's own
+        that is ahead of it."""
+        return max(self.resource_version, max(self._versions.values(), default=0))
 
     def on_change(self, callback: Callable[[str, T | None, T | None], None]) -> None:
         """Call `callback(key, item or None when deleted, the item before)` for every change."""
@@ -124,7 +132,11 @@ class WatchCache(Generic[T]):
         listed_version = "0"
         while True:
             page = await self.kube.list(
-                self.path, label_selector=self.label_selector, limit=PAGE, continue_token=token
+                self.path,
+                label_selector=self.label_selector,
+                field_selector=self.field_selector,
+                limit=PAGE,
+                continue_token=token,
             )
             for obj in page.get("items", []):
                 items[key_of(obj)] = self.decode(obj)
@@ -161,6 +173,7 @@ class WatchCache(Generic[T]):
             self.path,
             resource_version=str(self.resource_version),
             label_selector=self.label_selector,
+            field_selector=self.field_selector,
             timeout_s=self.watch_timeout_s,
         ):
             kind, obj = event.get("type"), event.get("object") or {}

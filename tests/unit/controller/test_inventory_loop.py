@@ -4,8 +4,9 @@ writes only on change, one overuse event per episode, presence handed to the rec
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
+from typing import Any
 
 from tests.unit.domain.builders import NOW
 from tests.unit.fake_kube import FakeKube, fed_state
@@ -13,7 +14,8 @@ from vramshare.controller.devices import InventoryLoop, refresh_after, refresh_b
 from vramshare.controller.metrics import ControllerMetrics
 from vramshare.controller.settings import ControllerSettings
 from vramshare.dcgm_series import DcgmReading
-from vramshare.domain import Accounting
+from vramshare.domain import Accounting, freshness
+from vramshare.domain.freshness import InventoryHeartbeat
 from vramshare.domain.inventory import Sample
 from vramshare.kube.objects import GpuDevice
 from vramshare.kube.resources import devices_path
@@ -45,7 +47,12 @@ class Source:
 
 
 @contextlib.asynccontextmanager
-async def loop(source: Source, now: list[float]) -> AsyncIterator[tuple[FakeKube, InventoryLoop]]:
+async def loop(
+    source: Source,
+    now: list[float],
+    *,
+    on_heartbeat: Callable[[InventoryHeartbeat], None] = lambda heartbeat: None,
+) -> AsyncIterator[tuple[FakeKube, InventoryLoop]]:
     kube = FakeKube()
     await kube.create("/api/v1/nodes", {"metadata": {"name": "node-a"}})
     async with fed_state(kube) as state:
@@ -57,6 +64,7 @@ async def loop(source: Source, now: list[float]) -> AsyncIterator[tuple[FakeKube
             metrics=ControllerMetrics(),
             state=state,
             clock=lambda: now[0],
+            on_heartbeat=on_heartbeat,
         )
         yield kube, inventory
 
@@ -135,14 +143,46 @@ async def test_a_stale_sample_flips_the_conditions_and_keeps_transition_times() 
         assert (missing.status, missing.last_transition) == (False, NOW + 1)
 
 
-async def test_a_new_sample_with_the_same_figures_is_written_only_every_refresh_interval() -> None:
-    """Every status write moves the GPU's ledger token (and fails the commits in flight on it)."""
+async def test_a_new_sample_with_the_same_figures_is_dated_by_the_heartbeat_not_written() -> None:
+    """Issue #31: an unchanged GPU's new sample time goes out in the poll's heartbeat (on the Lease),
+    not in a status write (each write also moves the GPU's ledger token, failing commits in flight)."""
+    now = [NOW + 1]
+    source = Source(SAMPLE)
+    published: list[InventoryHeartbeat] = []
+    async with loop(source, now, on_heartbeat=published.append) as (kube, inventory):
+        await inventory.poll()
+        writes = status_writes(kube)
+        for later in (5, 10, 20, 31, 200):  # fresh samples, same figures, past any refresh interval
+            source.samples = [replace(SAMPLE, sampled_at=NOW + later)]
+            now[0] = NOW + later + 1
+            await inventory.poll()
+            assert published[-1].sampled_at == NOW + later
+            assert published[-1].confirms("GPU-A")
+        assert status_writes(kube) == writes
+        assert inventory.metrics.device_status_writes.labels("refresh")._value.get() == 0
+        # The heartbeat vouches for the figures as stored at its devices_version or later.
+        assert published[-1].devices_version >= int(
+            kube.objects[devices_path("gpu-a")]["metadata"]["resourceVersion"]
+        )
+        source.samples = [replace(SAMPLE, sampled_at=NOW + 205, used_mib=1_000, free_mib=15_000)]
+        now[0] = NOW + 206
+        await inventory.poll()  # new figures: written at once, and the heartbeat covers that write
+        assert status_writes(kube) == writes + 1
+        device = kube.objects[devices_path("gpu-a")]
+        assert published[-1].devices_version >= int(device["metadata"]["resourceVersion"])
+
+
+async def test_without_a_heartbeat_unchanged_gpus_are_refreshed_by_writes(monkeypatch: Any) -> None:
+    """When a heartbeat cannot be published (too many GPUs unconfirmed), sample times are kept current
+    by status writes, every refresh interval, as before heartbeats."""
+    monkeypatch.setattr(freshness, "MAX_UNCONFIRMED", -1)
     now = [NOW + 1]
     source = Source(SAMPLE)
     async with loop(source, now) as (kube, inventory):
         await inventory.poll()
+        assert inventory.heartbeat is None
         writes = status_writes(kube)
-        for later in (5, 10, 20):  # fresh samples, same figures: within a quarter of the 120 s max age
+        for later in (5, 10, 20):  # within a quarter of the 120 s max age: no write
             source.samples = [replace(SAMPLE, sampled_at=NOW + later)]
             now[0] = NOW + later + 1
             await inventory.poll()
@@ -151,10 +191,30 @@ async def test_a_new_sample_with_the_same_figures_is_written_only_every_refresh_
         now[0] = NOW + 32
         await inventory.poll()
         assert status_writes(kube) == writes + 1
-        source.samples = [replace(SAMPLE, sampled_at=NOW + 35, used_mib=1_000, free_mib=15_000)]
-        now[0] = NOW + 36
-        await inventory.poll()  # new figures: written at once
-        assert status_writes(kube) == writes + 2
+
+
+async def test_the_heartbeat_leaves_out_stale_and_lagging_gpus() -> None:
+    """A GPU whose sample lags the others by more than a quarter of the maximum age, or that is not
+    Ready, is unconfirmed: its stored time stands, and it is refreshed by writes."""
+    lagging = replace(SAMPLE, uuid="GPU-B", index=1, sampled_at=NOW)
+    now = [NOW + 1]
+    source = Source(SAMPLE, lagging)
+    published: list[InventoryHeartbeat] = []
+    async with loop(source, now, on_heartbeat=published.append) as (kube, inventory):
+        await inventory.poll()
+        source.samples = [replace(SAMPLE, sampled_at=NOW + 40), lagging]
+        now[0] = NOW + 41
+        await inventory.poll()
+        assert published[-1].sampled_at == NOW + 40
+        assert published[-1].unconfirmed == frozenset({"GPU-B"})
+        refreshed = GpuDevice.from_wire(kube.objects[devices_path("gpu-b")]).status
+        assert refreshed is not None
+        assert inventory.metrics.device_status_writes.labels("refresh")._value.get() == 1  # GPU-B's lastSeen
+        source.samples = [replace(SAMPLE, sampled_at=NOW + 300)]  # GPU-B gone long enough to be stale
+        now[0] = NOW + 301
+        await inventory.poll()
+        assert "GPU-B" in published[-1].unconfirmed
+        assert published[-1].confirms("GPU-A")
 
 
 async def test_status_and_conditions_say_which_generation_they_describe() -> None:
@@ -257,9 +317,11 @@ async def test_a_poll_writes_only_the_gpus_whose_figures_changed() -> None:
         assert writes.labels("refresh")._value.get() == 0
 
 
-async def test_a_poll_refreshes_unchanged_gpus_oldest_first_within_its_budget() -> None:
-    """A fleet whose every sample time is due (a poll came late) is refreshed a share per poll, the
-    oldest first, not all at once: 64 GPUs at 5 s polls and a 120 s maximum age: 15 a poll."""
+async def test_a_poll_refreshes_unchanged_gpus_oldest_first_within_its_budget(monkeypatch: Any) -> None:
+    """A fleet whose every sample time is due (a poll came late) and that no heartbeat dates is
+    refreshed a share per poll, the oldest first, not all at once: 64 GPUs at 5 s polls and a 120 s
+    maximum age: 15 a poll."""
+    monkeypatch.setattr(freshness, "MAX_UNCONFIRMED", -1)
     fleet = [replace(SAMPLE, uuid=f"GPU-{i:02d}", index=i % 8, free_mib=16_000) for i in range(64)]
     now = [NOW + 1]
     source = Source(*fleet)

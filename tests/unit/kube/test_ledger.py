@@ -14,7 +14,9 @@ import pytest_asyncio
 from tests.unit.domain.builders import NOW, gpu
 from tests.unit.fake_kube import FakeKube, add_idle_gpu
 from vramshare.domain import Accounting, has_room_for_its_bookings
+from vramshare.domain.freshness import InventoryHeartbeat
 from vramshare.kube.client import ApiError
+from vramshare.kube.lease_watch import HeartbeatSource
 from vramshare.kube.ledger import CommitConflictError, KubeLedger, Snapshot, last_commit_version
 from vramshare.kube.objects import GpuDevice, GpuReservation
 from vramshare.kube.resources import ANNOTATION_LEDGER, LABEL_COMMITTED, devices_path, reservations_path
@@ -574,3 +576,31 @@ async def test_a_token_nobody_can_vouch_for_sends_the_view_to_a_consistent_read(
         snapshot = await ledger.snapshot()
         assert not snapshot.live
         assert lists(kube) > before
+
+
+async def test_the_view_dates_unchanged_gpus_by_the_heartbeat_once_its_devices_hold_it() -> None:
+    """Issue #31: the controller no longer rewrites an unchanged GPU's sample time; the heartbeat on
+    its Lease says the stored figures were read again. The view applies it only once its device
+    stream has passed the heartbeat's devices_version."""
+    kube = await cluster()
+    latest: list[InventoryHeartbeat | None] = [None]
+    ledger = KubeLedger(kube, heartbeat=HeartbeatSource(lambda: latest[0]))  # type: ignore[arg-type]
+    async with fed(ledger):
+        seen = ledger.devices.resource_version
+        assert (await ledger.snapshot()).gpus[0].sampled_at == NOW
+        # Something written after what the device stream holds (as a poll's status write would be).
+        await kube.create("/api/v1/namespaces/default/configmaps", {"metadata": {"name": "elsewhere"}})
+        latest[0] = InventoryHeartbeat(sampled_at=NOW + 60, devices_version=seen + 1)
+        assert (await ledger.snapshot()).gpus[0].sampled_at == NOW  # its write not seen yet
+        fresh = await ledger.snapshot(fresh=True)  # a consistent read lists at a later version
+        assert fresh.gpus[0].sampled_at == NOW + 60
+        await kube.merge_patch(DEVICE, {"metadata": {"annotations": {"example.com/touched": "1"}}})
+        await settle()
+        assert ledger.devices.resource_version >= seen + 1
+        dated = (await ledger.snapshot()).gpus
+        assert dated[0].sampled_at == NOW + 60
+        assert (await ledger.snapshot()).gpus[0] is dated[0]  # the same object while nothing changes
+        latest[0] = InventoryHeartbeat(
+            sampled_at=NOW + 90, devices_version=seen + 1, unconfirmed=frozenset({GPU.uuid})
+        )
+        assert (await ledger.snapshot()).gpus[0].sampled_at == NOW  # unconfirmed: its stored time
