@@ -14,6 +14,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from vramshare.kube.resources import (
     API_VERSION,
     FINALIZER_POD_GONE,
@@ -23,6 +25,8 @@ from vramshare.kube.resources import (
 )
 from vramshare_e2e.cluster import Component, LocalCluster, eventually, free_port, http_ok
 from vramshare_e2e.fleet import Fleet
+
+ROOT = Path(__file__).resolve().parents[2]
 
 WEBHOOK_NAME = "gpu-mem.vramshare.io"
 POD_CREATE_RULES = [
@@ -101,12 +105,15 @@ def webhook_configuration(
     annotation: str = "gpu-mem-mb",
     timeout_s: int = 10,
     as_the_chart: bool = False,
+    hide_in_process: bool = False,
 ) -> dict[str, Any]:
     """A MutatingWebhookConfiguration with one entry per shard: namespaces labelled
     `vramshare-e2e/shard=<shard>` go to that shard's replica, so tests decide which replica answers.
     With `as_the_chart`, split as the chart registers it: the GPU entry sees only pods with the
     annotation (a match condition the API server evaluates), and a second entry, with the chart's
-    failurePolicy Ignore, the others, whose GPUs it hides."""
+    failurePolicy Ignore, the others, whose GPUs it hides. With `hide_in_process` too, that second entry
+    leaves plain pods to the chart's MutatingAdmissionPolicy (`hide_gpus_policy`), as the chart does
+    where the API server serves it."""
     ca = base64.b64encode(cluster.ca.cert_pem).decode()
     webhooks = []
     for shard, port in ports.items():
@@ -127,12 +134,23 @@ def webhook_configuration(
             continue
         asks = f"has(object.metadata.annotations) && '{annotation}' in object.metadata.annotations"
         webhooks.append({**entry, "matchConditions": [{"name": "requests-gpu-memory", "expression": asks}]})
+        hide = [{"name": "no-gpu-memory-request", "expression": f"!({asks})"}]
+        if hide_in_process:
+            data = _in_process()
+            plain = " && ".join(f"({c['expression']})" for c in [*data["policy"], *data["plainPod"]])
+            hide.append(
+                {
+                    "name": "not-hidden-in-process",
+                    "expression": f"request.subResource == 'ephemeralcontainers' || !({plain}) "
+                    f"|| !({data['hidden']['expression']})",
+                }
+            )
         webhooks.append(
             {
                 **entry,
                 "name": f"hide-{shard}.{WEBHOOK_NAME}",
                 "failurePolicy": "Ignore",
-                "matchConditions": [{"name": "no-gpu-memory-request", "expression": f"!({asks})"}],
+                "matchConditions": hide,
             }
         )
     return {
@@ -141,6 +159,48 @@ def webhook_configuration(
         "metadata": {"name": "vramshare-e2e"},
         "webhooks": webhooks,
     }
+
+
+POD_CREATE = {"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE"], "resources": ["pods"]}
+"""An admission policy's rule for pod creations."""
+
+
+def _in_process() -> dict[str, Any]:
+    """The chart's in-process hiding (its CEL), which the chart's templates build from too."""
+    data = yaml.safe_load((ROOT / "charts" / "vramshare" / "files" / "hide-gpus-in-process.yaml").read_text())
+    return dict(data)
+
+
+def hide_gpus_policy(
+    *, namespace_selector: dict[str, Any], annotation: str = "gpu-mem-mb"
+) -> list[dict[str, Any]]:
+    """The chart's MutatingAdmissionPolicy and its binding, for the namespaces `namespace_selector` picks."""
+    data = _in_process()
+    name = "vramshare-e2e-hide-gpus"
+    asks = f"has(object.metadata.annotations) && '{annotation}' in object.metadata.annotations"
+    return [
+        {
+            "apiVersion": "admissionregistration.k8s.io/v1",
+            "kind": "MutatingAdmissionPolicy",
+            "metadata": {"name": name},
+            "spec": {
+                "failurePolicy": "Ignore",
+                "reinvocationPolicy": "IfNeeded",
+                "matchConstraints": {"resourceRules": [POD_CREATE]},
+                "matchConditions": [
+                    {"name": "no-gpu-memory-request", "expression": f"!({asks})"},
+                    *data["policy"],
+                ],
+                "mutations": data["mutations"],
+            },
+        },
+        {
+            "apiVersion": "admissionregistration.k8s.io/v1",
+            "kind": "MutatingAdmissionPolicyBinding",
+            "metadata": {"name": name},
+            "spec": {"policyName": name, "matchResources": {"namespaceSelector": namespace_selector}},
+        },
+    ]
 
 
 def seed_inventory(

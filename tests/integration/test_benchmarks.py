@@ -91,12 +91,15 @@ def test_admission_smoke(tmp_path: Path) -> None:
         assert level["api_writes_per_admission"] > 1
     assert (tmp_path / "admission.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     ng = report["no_gpu"]
-    for case in ("no_webhook", "unmanaged", "hidden"):
+    for case in ("no_webhook", "unmanaged", "hidden", "hidden_in_process"):
         assert len(ng["runs"][case]) == 2
         assert ng[case] in ng["runs"][case]
         assert 0 < ng[case]["p50_ms"] <= ng[case]["p99_ms"]
     assert ng["hidden_vs_no_webhook"]["ratio_p50"] == round(
         ng["hidden"]["p50_ms"] / ng["no_webhook"]["p50_ms"], 2
+    )
+    assert ng["hidden_in_process_vs_no_webhook"]["ratio_p50"] == round(
+        ng["hidden_in_process"]["p50_ms"] / ng["no_webhook"]["p50_ms"], 2
     )
     assert all(v > 0 for v in report["peak_rss_mib"].values())
     assert [s["active_reservations"] for s in report["scale"]] == [200, 500]

@@ -206,6 +206,10 @@ def test_vramshare_runs_as_the_chart_identities(stack: LocalCluster) -> None:
     }
     hidden = json.loads(stack.kubectl("create", "-f", "-", "-o", "json", stdin=json.dumps(plain)))
     assert hidden["spec"]["containers"][0]["env"] == [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"}]
+    # Hidden by the API server itself, which serves MutatingAdmissionPolicy (1.36+): inProcess auto.
+    assert stack.kubectl(
+        "get", "mutatingadmissionpolicybinding", "t-vramshare-hide-gpus", "-o", "name"
+    ).strip()
     # Queue mode: the controller places a gated pod, past the chart's tamper protection.
     for _, gpu in stack.settings.fleet.all_gpus():
         stack.exporter.set_used(gpu.uuid, gpu.total_mib - gpu.driver_reserved_mib - 100)
@@ -391,7 +395,6 @@ def test_with_the_webhook_down_hiding_fails_closed_for_every_gpu_field(stack: Lo
     stack.stop_component("webhook")
     try:
         refused = {
-            "variable": create("grab-env", env=[{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}]),
             "nri": create("grab-nri", annotations={"nvidia.cdi.k8s.io/container.base": "nvidia.com/gpu=all"}),
             "cdi": create("grab-cdi", annotations={"cdi.k8s.io/x": "nvidia.com/gpu=0"}),
             "mount": create(
@@ -411,12 +414,20 @@ def test_with_the_webhook_down_hiding_fails_closed_for_every_gpu_field(stack: Lo
             assert "ValidatingAdmissionPolicy 't-vramshare-hiding'" in out or (
                 what == "forged" and "ValidatingAdmissionPolicy 't-vramshare-pinning'" in out
             ), (what, out)
-        assert "NVIDIA_VISIBLE_DEVICES may name only GPUs vramshare booked" in refused["variable"]
         assert "CDI requests for NVIDIA devices" in refused["nri"]
         assert "device-list mounts" in refused["mount"]
-        # Without a GPU field a pod is still created (hiding fails open for the image's own variable:
-        # the default runtime must not be NVIDIA's, see the README's "Which delivery mode").
-        assert "created" in create("plain-while-down")
+        # The API server (1.37 here) hides plain pods itself (the chart's MutatingAdmissionPolicy): a
+        # pod's own variable, and one with none (which a CUDA image would default to all), get void
+        # with the webhook down too.
+        for name, env in (
+            ("grab-env", [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}]),
+            ("plain-while-down", []),
+        ):
+            assert "created" in create(name, env=env)
+            made = json.loads(stack.kubectl("get", "pod", name, "-n", "jobs", "-o", "json"))
+            assert made["spec"]["containers"][0]["env"] == [
+                {"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"}
+            ]
         # A pod of the device plugin is not vramshare's.
         assert "created" in create(
             "device-plugin",

@@ -26,7 +26,7 @@ from vramshare.kube.resources import (
 )
 from vramshare_e2e.admission_parts import SIDECAR, start_delay_proxy, start_mutating_webhook
 from vramshare_e2e.cluster import RUN_DURATION_ANNOTATION, LocalCluster, eventually
-from vramshare_e2e.components import start_controller, start_webhook, webhook_configuration
+from vramshare_e2e.components import POD_CREATE, start_controller, start_webhook, webhook_configuration
 
 pytestmark = pytest.mark.cluster
 
@@ -203,16 +203,7 @@ def test_pods_rejected_after_vramshare_leave_no_booking_counted_after_30_s(
                 "metadata": {"name": "no-denied-pods"},
                 "spec": {
                     "failurePolicy": "Fail",
-                    "matchConstraints": {
-                        "resourceRules": [
-                            {
-                                "apiGroups": [""],
-                                "apiVersions": ["v1"],
-                                "operations": ["CREATE"],
-                                "resources": ["pods"],
-                            }
-                        ]
-                    },
+                    "matchConstraints": {"resourceRules": [POD_CREATE]},
                     "validations": [
                         {
                             "expression": "!has(object.metadata.labels) "

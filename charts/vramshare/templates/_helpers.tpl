@@ -84,3 +84,30 @@ app.kubernetes.io/component: {{ .component }}
     fieldRef:
       fieldPath: status.podIP
 {{- end -}}
+
+{{/*
+"true" when pods asking for no GPU are hidden in the API server (a MutatingAdmissionPolicy) rather
+than by the webhook: see files/hide-gpus-in-process.yaml.
+*/}}
+{{- define "vramshare.hideInProcess" -}}
+{{- $mode := .Values.webhook.hideGpus.inProcess -}}
+{{- $served := .Capabilities.APIVersions.Has "admissionregistration.k8s.io/v1/MutatingAdmissionPolicy" -}}
+{{- if and .Values.webhook.hideGpus.enabled (or (eq $mode "always") (and (eq $mode "auto") $served)) -}}
+true
+{{- end -}}
+{{- end }}
+
+{{/* The namespaces whose pods without a GPU request get their GPUs hidden. */}}
+{{- define "vramshare.hideNamespaceSelector" -}}
+{{- with .Values.webhook.hideGpus.namespaceSelector.matchLabels }}
+matchLabels:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+matchExpressions:
+  - key: kubernetes.io/metadata.name
+    operator: NotIn
+    values: {{ toJson (list .Release.Namespace "kube-system") }}
+  {{- with .Values.webhook.hideGpus.namespaceSelector.matchExpressions }}
+  {{- toYaml . | nindent 2 }}
+  {{- end }}
+{{- end }}
