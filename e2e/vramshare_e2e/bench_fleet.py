@@ -45,6 +45,10 @@ POLL_INTERVAL_S = 5.0
 """The controller's default poll interval."""
 
 
+SCRAPE_INTERVAL_S = 1.0
+"""How often the benchmark reads the controller's metrics (a fifth of the poll interval)."""
+
+
 def fleet_of(nodes: int, gpus_per_node: int) -> Fleet:
     return Fleet(
         nodes=[
@@ -86,7 +90,10 @@ def _polls(port: int, *, polls: int, between: Callable[[], None] | None = None) 
     per_poll: list[tuple[float, float, float]] = []
     deadline = time.monotonic() + polls * POLL_INTERVAL_S * 6
     while len(per_poll) < polls and time.monotonic() < deadline:
-        time.sleep(0.2)
+        # Not more often: rendering the controller's /metrics (nine series per GPU, 9000 at this
+        # size) takes the CPU the poll needs; scraped every 0.2 s it took over half the controller's
+        # samples (py-spy) and slowed the very polls being timed.
+        time.sleep(SCRAPE_INTERVAL_S)
         now = _controller_metrics(port)
         count = now.get("vramshare_inventory_poll_seconds_count", 0.0)
         if count > seen.get("vramshare_inventory_poll_seconds_count", 0.0):
