@@ -17,7 +17,6 @@ from typing import Any
 import pytest
 from kubernetes import client, config
 
-from vramshare.controller.queue import queue_hold_key
 from vramshare.kube.pods import QUEUE_GATE
 from vramshare.kube.resources import (
     ANNOTATION_GPU_UUID,
@@ -317,20 +316,17 @@ def test_fifty_queued_pods_over_a_controller_failover_are_placed_once_without_ov
                 booked: Counter[str] = Counter()
                 holders: dict[str, list[str]] = {}
                 listed = reservations(stack).values()
-                # The head's hold is memory kept for the head: once the head is placed on the held
-                # GPU the two are one booking until the hold is withdrawn (the head is credited it).
-                placed_on = {
-                    queue_hold_key(f"{NS}/{r['metadata']['name']}"): r["spec"].get("gpuUUID") for r in listed
-                }
                 for r in listed:
                     # A booking counts on the GPU its spec names while it is open. A placement the
                     # next leader took back loses its GPU from the spec before its recorded phase
                     # (Reserved, or Bound if its pod was seen) is written back to Queued.
                     gpu = r["spec"].get("gpuUUID")
-                    held_for = r["metadata"].get("labels", {}).get(LABEL_HELD_FOR)
-                    if held_for and placed_on.get(held_for) == gpu:
+                    # The head's hold is not memory anyone uses: it claims, for the head, memory that
+                    # is still in use on a GPU the head does not fit yet (vramshare.domain.queue), so
+                    # it may take the GPU's bookings past its size until that memory frees.
+                    if r["metadata"].get("labels", {}).get(LABEL_HELD_FOR):
                         continue
-                    if gpu and phase(r) in (None, "Queued", "Reserved", "Bound", "Lost", "Held"):
+                    if gpu and phase(r) in (None, "Queued", "Reserved", "Bound", "Lost"):
                         booked[gpu] += r["spec"]["memoryMiB"]
                         labels = r["metadata"].get("labels", {})
                         holders.setdefault(gpu, []).append(
