@@ -154,9 +154,7 @@ def _why_write(desired: DeviceStatus, previous: DeviceStatus | None, *, refresh_
     if previous is None:
         return Write.CHANGED
     # Equal objects write equal JSON: the common case (nothing changed) needs no serialising.
-    if replace(desired, sampled_at=0.0, last_seen_at=None) != replace(
-        previous, sampled_at=0.0, last_seen_at=None
-    ):
+    if _untimed(desired) != _untimed(previous):
         times = ("sampledAt", "lastSeenAt")
         now_wire = {k: v for k, v in desired.to_wire().items() if k not in times}
         before_wire = {k: v for k, v in previous.to_wire().items() if k not in times}
