@@ -175,8 +175,10 @@ def _writes(before: dict[str, float], after: dict[str, float]) -> dict[str, floa
     return out
 
 
-def admission(*, smoke: bool, show: Callable[[str], None], scale: bool = True) -> dict[str, Any]:
-    levels = [1, 4] if smoke else [1, 4, 16, 64]
+def admission(
+    *, smoke: bool, show: Callable[[str], None], scale: bool = True, levels: list[int] | None = None
+) -> dict[str, Any]:
+    levels = levels or ([1, 4] if smoke else [1, 4, 16, 64])
     pods = 12 if smoke else 240
     result: dict[str, Any] = {"pods_per_level": pods, "levels": {}}
     with LocalCluster.start() as cluster:
@@ -502,11 +504,18 @@ def decision_curve(*, smoke: bool) -> dict[str, Any]:
     return out
 
 
-def run(*, smoke: bool, out: Path, show: Callable[[str], None] = print, scale: bool = True) -> dict[str, Any]:
+def run(
+    *,
+    smoke: bool,
+    out: Path,
+    show: Callable[[str], None] = print,
+    scale: bool = True,
+    levels: list[int] | None = None,
+) -> dict[str, Any]:
     """The whole benchmark. Without `scale` the ledger-size steps (filling 100 000 bookings takes
     about half an hour here) are not run, and the last run's are kept, marked with their date."""
     report: dict[str, Any] = {"smoke": smoke, "levels": {}}
-    adm = admission(smoke=smoke, show=show, scale=scale)
+    adm = admission(smoke=smoke, show=show, scale=scale, levels=levels)
     report.update(adm)
     previous = out / "admission.json"
     if not scale and previous.exists():
@@ -624,8 +633,19 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="skip the 10 000 and 100 000 booking steps; keep the last run's",
     )
+    parser.add_argument(
+        "--levels",
+        type=lambda v: [int(x) for x in v.split(",")],
+        help="concurrency levels, comma-separated (default 1,4,16,64; smoke 1,4)",
+    )
     args = parser.parse_args(argv)
-    run(smoke=args.smoke, out=args.out, show=lambda s: print(s, flush=True), scale=not args.no_scale)
+    run(
+        smoke=args.smoke,
+        out=args.out,
+        show=lambda s: print(s, flush=True),
+        scale=not args.no_scale,
+        levels=args.levels,
+    )
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from vramshare.kube.client import Connection, KubeClient
 from vramshare.kube.lease_watch import HeartbeatSource, LeaseHeartbeat
 from vramshare.kube.ledger import KubeLedger
 from vramshare.kube.pods import node_view
+from vramshare.kube.replicas import ReplicaLeases
 from vramshare.kube.resources import LABEL_RESERVATION
 from vramshare.kube.watch import WatchCache
 from vramshare.settings import SettingsError
@@ -120,6 +121,18 @@ async def serve(settings: WebhookSettings) -> None:
 
         # Nodes: a GPU on a node the pod could never be scheduled onto is passed over.
         nodes: WatchCache[NodeView] = WatchCache(kube, "/api/v1/nodes", decode=node_view, name="nodes")
+        # Its peers, so that GPUs that tie are dealt out among the replicas up.
+        replicas = (
+            ReplicaLeases(
+                kube,
+                namespace=settings.namespace,
+                identity=settings.identity,
+                lease_s=settings.replica_lease_s,
+                on_up=metrics.replicas_up.set,
+            )
+            if settings.replica_lease_s
+            else None
+        )
         admitter = Admitter(
             settings=settings,
             ledger=ledger,
@@ -129,6 +142,7 @@ async def serve(settings: WebhookSettings) -> None:
             nodes=lambda: nodes.items.values(),
             resource_quotas=quotas_of,
             gpu_pods=lambda: gpu_pods.items.values(),
+            replicas=replicas.up if replicas is not None else tuple,
         )
         stopping = asyncio.Event()
         for signum in (signal.SIGTERM, signal.SIGINT):
@@ -158,6 +172,8 @@ async def serve(settings: WebhookSettings) -> None:
             asyncio.create_task(heartbeat.run()),
             asyncio.create_task(announce_sync()),
         ]
+        if replicas is not None:
+            tasks.append(asyncio.create_task(replicas.run()))
         if secret is None:
             tasks.append(asyncio.create_task(tls.watch()))
         else:
@@ -170,6 +186,8 @@ async def serve(settings: WebhookSettings) -> None:
             await asyncio.sleep(settings.shutdown_delay_s)
         finally:
             await runner.cleanup()
+            if replicas is not None:
+                await replicas.release()
             # The last answers are out: their committed labels and withdrawals still finish.
             await ledger.drain(timeout_s=settings.shutdown_delay_s + 2)
             for t in tasks:

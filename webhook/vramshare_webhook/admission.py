@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
@@ -246,6 +246,7 @@ class Admitter:
         nodes: Callable[[], Iterable[NodeView]] = tuple,
         resource_quotas: Callable[[str], Iterable[dict[str, Any]]] = lambda namespace: (),
         gpu_pods: Callable[[], Iterable[tuple[str, str]]] = tuple,
+        replicas: Callable[[], Sequence[str]] = tuple,
     ) -> None:
         self.settings = settings
         self.ledger = ledger
@@ -259,6 +260,8 @@ class Admitter:
         self.nodes = nodes
         """The Node objects (from a watch cache); none known: only hostname pinning is honoured."""
         self.resource_quotas = resource_quotas
+        self.replicas = replicas
+        """The webhook replicas up (from their Leases), among which GPUs that tie are dealt out."""
         self.gpu_pods = gpu_pods
         """(namespace, reservation label) of every pod carrying vramshare's label (from a watch cache):
         a booking whose pod appeared is not pending, though the controller may not have bound it."""
@@ -776,6 +779,7 @@ class Admitter:
                 now=self.clock(),
                 index=view.index,
                 prefer=self.settings.identity,
+                replicas=self.replicas(),
                 avoid=avoid,
                 credit={h.gpu_uuid: h.mib for h in holds},
             )

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from vramshare.metrics_common import register_standard
 
@@ -56,5 +56,11 @@ class WebhookMetrics:
             "vramshare_webhook_commit_rebases",
             "Commits that lost their race on a GPU to one that left room for them, and stood on the "
             "newer ledger token without deciding again.",
+            registry=self.registry,
+        )
+        self.replicas_up = Gauge(
+            "vramshare_webhook_replicas_up",
+            "Webhook replicas this one sees up (by their Leases), itself included once its own is seen; GPUs "
+            "that tie are dealt out among them. 0 while unknown or with replica_lease_s 0.",
             registry=self.registry,
         )

@@ -180,6 +180,11 @@ class WebhookSettings:
     controller_lease: str = ""
     """`<namespace>/<name>` of the controller's Lease, which carries the inventory heartbeat (the
     sample time of GPUs whose figures did not change); empty: `<namespace>/vramshare-controller`."""
+    replica_lease_s: float = 15.0
+    """Each replica renews a Lease of its own every third of this, in `namespace`, so the replicas up
+    deal GPUs that tie out among themselves and rarely race for the same one (vramshare.domain.shards);
+    a replica not seen renewing for this long is taken to be gone. 0: no Lease, no dealing (each
+    replica then breaks ties by its own hashed preference)."""
     kubeconfig: str = ""
     """Empty: the in-cluster service account."""
     log_level: str = "info"
@@ -260,6 +265,8 @@ class WebhookSettings:
             raise invalid("max_gpus_per_pod", self.max_gpus_per_pod, "1 to 64")
         if self.near_tie_mib < 0:
             raise invalid("near_tie_mib", self.near_tie_mib, "0 or more MiB")
+        if self.replica_lease_s != 0 and not 3 <= self.replica_lease_s <= 300:
+            raise invalid("replica_lease_s", self.replica_lease_s, "0 (off) or 3 to 300 seconds")
         if not 0 <= self.shutdown_delay_s <= 60:
             raise invalid("shutdown_delay_s", self.shutdown_delay_s, "0 to 60 seconds")
         if self.reinvocation_window_s <= 0:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import cast
@@ -17,6 +17,7 @@ from vramshare.domain.accounting import Accounting, StaleGpuMode
 from vramshare.domain.bookings import LedgerIndex
 from vramshare.domain.headroom import Headroom, booked, headroom_mib, headroom_of
 from vramshare.domain.models import AllocationRequest, Gpu, Reservation, model_matches
+from vramshare.domain.shards import dealt_to
 
 
 class Policy(StrEnum):
@@ -281,16 +282,18 @@ def choose(
     now: float,
     index: LedgerIndex | None = None,
     prefer: str = "",
+    replicas: Sequence[str] = (),
     avoid: Collection[str] = (),
     credit: Mapping[str, int] | None = None,
 ) -> Choice | Refusal:
     """Pick a GPU for `request` by `settings.policy`, or refuse with a verdict for every GPU.
 
     The ledger is `reservations`, or, when given, `index` (the same, summed per GPU ahead of time).
-    GPUs within `settings.near_tie_mib` of the best are tied. Ties go first to the GPU that `prefer`
-    (the deciding replica's name) ranks highest, then by node name, index and UUID. Replicas that
-    decide at once then spread over near-equal GPUs instead of all taking the same one and
-    conflicting at commit. Tied GPUs in `avoid` (where this request's last commit conflicted) come
+    GPUs within `settings.near_tie_mib` of the best are tied. Ties go first to the GPUs dealt to
+    `prefer` (the deciding replica's name) among `replicas` (the replicas up, see
+    `vramshare.domain.shards`), then to the one `prefer` ranks highest, then by node name, index and
+    UUID. Replicas that decide at once then spread over near-equal GPUs instead of all taking the same
+    one and conflicting at commit. Tied GPUs in `avoid` (where this request's last commit conflicted) come
     last. `credit` (GPU UUID -> MiB) is memory held for this request on those GPUs: it counts as
     free for it. The same inputs, `prefer` and `avoid` always give the same answer.
     """
@@ -324,10 +327,14 @@ def choose(
 
     top = min(room(i) for i in fitting)
     tied = [i for i in fitting if room(i) - top <= settings.near_tie_mib]
+    mine: Collection[str] = ()
+    if len(tied) > 1 and len(replicas) > 1:
+        mine = dealt_to(prefer, tied=(listed[i].uuid for i in tied), replicas=replicas)
     best = min(
         tied,
         key=lambda i: (
             listed[i].uuid in avoid,
+            bool(mine) and listed[i].uuid not in mine,
             _rank(prefer, listed[i].uuid),
             room(i),
             *_gpu_order(listed[i]),

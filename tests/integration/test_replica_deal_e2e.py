@@ -1,0 +1,135 @@
+"""Webhook replicas deal GPUs that tie out among themselves (issue #31), against the real stack: each
+keeps a Lease, pods admitted at once through two replicas onto two tied A100s land one replica per
+GPU with no commit racing another, a replica shut down deletes its Lease, and the Lease of one that
+crashed is deleted by its peer once it went unrenewed for four durations."""
+
+from __future__ import annotations
+
+import json
+import re
+import ssl
+import time
+import urllib.request
+from collections import Counter
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from kubernetes import client, config
+
+from vramshare.kube.replicas import LABEL_WEBHOOK_REPLICA
+from vramshare.kube.resources import ANNOTATION_GPU_UUID
+from vramshare_e2e.cluster import LocalCluster, eventually
+from vramshare_e2e.components import start_controller, start_webhook, webhook_configuration
+
+pytestmark = pytest.mark.cluster
+
+LEASE_S = 3
+ENV = {"VRAMSHARE_REPLICA_LEASE_S": str(LEASE_S), "VRAMSHARE_SAFETY_MARGIN_MIB": "0"}
+
+
+@pytest.fixture(scope="module")
+def stack() -> Iterator[tuple[LocalCluster, dict[str, int]]]:
+    with LocalCluster.start() as local:
+        ports = {s: start_webhook(local, name=f"webhook-{s}", env=ENV)[1] for s in ("a", "b")}
+        local.apply_objects([webhook_configuration(local, ports=ports)])
+        for s in ports:
+            local.kubectl("create", "namespace", f"jobs-{s}")
+            local.kubectl("label", "namespace", f"jobs-{s}", f"vramshare-e2e/shard={s}")
+        start_controller(local, name="controller")
+        eventually(
+            lambda: (
+                len(json.loads(local.kubectl("get", "gpudevices", "-o", "json"))["items"])
+                == len(local.settings.fleet.all_gpus())
+            ),
+            what="the GPU inventory",
+            timeout_s=30,
+        )
+        yield local, ports
+
+
+def leases(local: LocalCluster) -> dict[str, str]:
+    """Replica Lease name -> holder identity."""
+    items = json.loads(
+        local.kubectl("get", "leases", "-n", "default", "-l", LABEL_WEBHOOK_REPLICA, "-o", "json")
+    )
+    return {i["metadata"]["name"]: i["spec"]["holderIdentity"] for i in items["items"]}
+
+
+def metric(port: int, name: str) -> float:
+    ctx = ssl.create_default_context()
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    with urllib.request.urlopen(f"https://127.0.0.1:{port}/metrics", context=ctx, timeout=5) as resp:
+        text = resp.read().decode()
+    found = re.search(rf"^{name}(?:\{{\}})? (\S+)$", text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+def test_replicas_deal_tied_gpus_and_do_not_race(stack: tuple[LocalCluster, dict[str, int]]) -> None:
+    local, ports = stack
+    eventually(lambda: len(leases(local)) == 2, what="both replicas' Leases", timeout_s=20)
+    eventually(
+        lambda: all(metric(p, "vramshare_webhook_replicas_up") == 2 for p in ports.values()),
+        what="each replica to see both up",
+        timeout_s=20,
+    )
+    core = client.CoreV1Api(config.new_client_from_config(config_file=str(local.kubeconfig)))
+    before = {p: metric(p, "vramshare_webhook_commit_rebases_total") for p in ports.values()}
+    conflicts = {p: metric(p, "vramshare_webhook_commit_conflicts_total") for p in ports.values()}
+
+    def create(i: int) -> tuple[str, str]:
+        shard = "ab"[i % 2]
+        pod = core.create_namespaced_pod(
+            f"jobs-{shard}",
+            {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {"name": f"deal-{i}", "annotations": {"gpu-mem-mb": "10"}},
+                "spec": {
+                    "restartPolicy": "Never",
+                    "containers": [{"name": "c", "image": "example.invalid/x"}],
+                },
+            },
+        )
+        return shard, pod.metadata.annotations[ANNOTATION_GPU_UUID]
+
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        placed = list(pool.map(create, range(40)))
+    # The two A100s tie (40 GiB each, idle; 10 MiB pods keep them within near_tie_mib), the T4s are far
+    # behind: each replica takes its own A100, so no commit lost a race to the other replica.
+    by_shard = {s: Counter(g for shard, g in placed if shard == s) for s in ports}
+    assert all(len(c) == 1 for c in by_shard.values()), by_shard
+    assert set(by_shard["a"]) != set(by_shard["b"]), by_shard
+    for p in ports.values():
+        assert metric(p, "vramshare_webhook_commit_rebases_total") == before[p]
+        assert metric(p, "vramshare_webhook_commit_conflicts_total") == conflicts[p]
+
+
+def test_a_replica_shut_down_deletes_its_lease_and_one_crashed_is_cleaned_up(
+    stack: tuple[LocalCluster, dict[str, int]],
+) -> None:
+    local, ports = stack
+    eventually(lambda: len(leases(local)) == 2, what="both replicas' Leases", timeout_s=20)
+    local.stop_component("webhook-b")  # SIGTERM: a clean shutdown
+    eventually(lambda: len(leases(local)) == 1, what="webhook-b's Lease deleted on shutdown", timeout_s=30)
+    eventually(
+        lambda: metric(ports["a"], "vramshare_webhook_replicas_up") == 1,
+        what="webhook-a to see itself alone",
+        timeout_s=10,
+    )
+    local.start_component("webhook-b")
+    eventually(lambda: len(leases(local)) == 2, what="webhook-b's Lease back", timeout_s=20)
+    local.stop_component("webhook-b", kill=True)  # SIGKILL: its Lease stays behind
+    killed = time.monotonic()
+    assert len(leases(local)) == 2
+    eventually(
+        lambda: metric(ports["a"], "vramshare_webhook_replicas_up") == 1,
+        what="webhook-a to count the crashed replica gone",
+        timeout_s=LEASE_S + 5,
+    )
+    eventually(lambda: len(leases(local)) == 1, what="the crashed replica's Lease deleted", timeout_s=30)
+    # Not before it went unrenewed for four durations (its last renewal was at most a third before).
+    assert time.monotonic() - killed >= 4 * LEASE_S - LEASE_S / 3 - 0.5
+    local.start_component("webhook-b")
+    eventually(lambda: len(leases(local)) == 2, what="webhook-b's Lease back", timeout_s=20)
