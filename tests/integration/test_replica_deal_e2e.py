@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from kubernetes import client, config
 
+from vramshare.domain.allocation import _rank
 from vramshare.kube.replicas import LABEL_WEBHOOK_REPLICA
 from vramshare.kube.resources import ANNOTATION_GPU_UUID
 from vramshare_e2e.cluster import LocalCluster, eventually
@@ -28,10 +29,25 @@ LEASE_S = 3
 ENV = {"VRAMSHARE_REPLICA_LEASE_S": str(LEASE_S), "VRAMSHARE_SAFETY_MARGIN_MIB": "0"}
 
 
+def agreeing_identities(gpus: list[str]) -> dict[str, str]:
+    """Names for replicas a and b whose own hashed orders rank the same of `gpus` first: without the
+    deal both would take that GPU and race."""
+    first = {f"webhook-{n}": min(gpus, key=lambda g, n=n: _rank(f"webhook-{n}", g)) for n in range(64)}
+    a = "webhook-0"
+    b = next(name for name, gpu in first.items() if name != a and gpu == first[a])
+    return {"a": a, "b": b}
+
+
 @pytest.fixture(scope="module")
 def stack() -> Iterator[tuple[LocalCluster, dict[str, int]]]:
     with LocalCluster.start() as local:
-        ports = {s: start_webhook(local, name=f"webhook-{s}", env=ENV)[1] for s in ("a", "b")}
+        a100s = [g.uuid for _, g in local.settings.fleet.all_gpus() if "A100" in g.model]
+        assert len(a100s) == 2
+        names = agreeing_identities(a100s)
+        ports = {
+            s: start_webhook(local, name=f"webhook-{s}", env={**ENV, "VRAMSHARE_IDENTITY": names[s]})[1]
+            for s in ("a", "b")
+        }
         local.apply_objects([webhook_configuration(local, ports=ports)])
         for s in ports:
             local.kubectl("create", "namespace", f"jobs-{s}")
@@ -97,7 +113,8 @@ def test_replicas_deal_tied_gpus_and_do_not_race(stack: tuple[LocalCluster, dict
     with ThreadPoolExecutor(max_workers=8) as pool:
         placed = list(pool.map(create, range(40)))
     # The two A100s tie (40 GiB each, idle; 10 MiB pods keep them within near_tie_mib), the T4s are far
-    # behind: each replica takes its own A100, so no commit lost a race to the other replica.
+    # behind. The replicas' own hashed orders agree on which A100 comes first (`agreeing_identities`),
+    # so only the deal sends each replica to its own A100; then no commit loses a race to the other.
     by_shard = {s: Counter(g for shard, g in placed if shard == s) for s in ports}
     assert all(len(c) == 1 for c in by_shard.values()), by_shard
     assert set(by_shard["a"]) != set(by_shard["b"]), by_shard
