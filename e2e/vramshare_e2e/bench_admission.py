@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import ssl
 import statistics
@@ -100,6 +101,60 @@ def webhook_metrics(ports: list[int]) -> dict[str, float]:
                 if m:
                     totals[m.group(1)] = totals.get(m.group(1), 0.0) + float(m.group(2))
     return totals
+
+
+def api_requests(cluster: LocalCluster) -> dict[str, float]:
+    """The API server's own count of the requests it served, `<resource>/<verb>` (watches left out:
+    they are streams, not work per pod), from its /metrics."""
+    totals: dict[str, float] = {}
+    for line in cluster.kubectl("get", "--raw", "/metrics").splitlines():
+        if not line.startswith("apiserver_request_total{"):
+            continue
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', line[: line.rindex("}")]))
+        if labels.get("verb") == "WATCH":
+            continue
+        key = f"{labels.get('resource', '')}/{labels.get('verb', '').lower()}"
+        totals[key] = totals.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+    return totals
+
+
+SETTLE_S = 3.0
+CPU_OF = ("kube-apiserver", "etcd", "webhook-a", "webhook-b", "controller", "kwok")
+
+
+def cpu_seconds(cluster: LocalCluster) -> dict[str, float]:
+    """CPU seconds (user + system) each component has used so far, from /proc."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for name in CPU_OF:
+        component = cluster.components.get(name)
+        process = getattr(component, "process", None)
+        if process is None:
+            continue
+        try:
+            fields = Path(f"/proc/{process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[name] = (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+class _Phase:
+    """What the cluster spent on one phase of pods: API requests and CPU, per pod."""
+
+    def __init__(self, cluster: LocalCluster) -> None:
+        self.cluster = cluster
+        self.requests = api_requests(cluster)
+        self.cpu = cpu_seconds(cluster)
+
+    def per_pod(self, pods: int) -> dict[str, Any]:
+        requests, cpu = api_requests(self.cluster), cpu_seconds(self.cluster)
+        made = {k: v - self.requests.get(k, 0.0) for k, v in requests.items()}
+        return {
+            "api_requests": {k: round(v / pods, 2) for k, v in sorted(made.items()) if v >= pods / 20},
+            "api_requests_total": round(sum(made.values()) / pods, 2),
+            "cpu_ms": {k: round((v - self.cpu.get(k, 0.0)) * 1000 / pods, 2) for k, v in cpu.items()},
+        }
 
 
 def decision_quantiles(
@@ -226,10 +281,21 @@ def admission(
         _clean(cluster, spaces)
         for level in levels:
             show(f"concurrency {level}: {pods} plain pods, {pods} through a null webhook, {pods} GPU pods")
+            phase = _Phase(cluster)
             base_lat, base_wall, base_err = create_pods(core, ["plain"], pods, level, False, f"b{level}")
+            # What follows each pod's creation (scheduling, kwok's status, vramshare's controller binding
+            # the booking) is counted too: each phase's count waits for it to land.
+            time.sleep(SETTLE_S)
+            cost = {"baseline": phase.per_pod(pods)}
+            phase = _Phase(cluster)
             null_lat, null_wall, null_err = create_pods(core, ["null"], pods, level, False, f"n{level}")
+            time.sleep(SETTLE_S)
+            cost["null_webhook"] = phase.per_pod(pods)
             before = webhook_metrics(ports)
+            phase = _Phase(cluster)
             vs_lat, vs_wall, vs_err = create_pods(core, ["gpu-a", "gpu-b"], pods, level, True, f"v{level}")
+            time.sleep(SETTLE_S)
+            cost["vramshare"] = phase.per_pod(pods)
             after = webhook_metrics(ports)
             base, null, vs = (
                 latency_stats(base_lat, base_wall),
@@ -256,6 +322,7 @@ def admission(
                 - before.get("vramshare_webhook_consistent_reads_total", 0),
                 "api_writes": writes,
                 "api_writes_per_admission": round(sum(writes.values()) / admitted, 2) if admitted else None,
+                "cost_per_pod": cost,
             }
             _clean(cluster, spaces)
             time.sleep(2)
