@@ -317,10 +317,15 @@ class ReservationReconciler:
         """React to one pod event at once, instead of waiting for the next sweep."""
         meta = pod["metadata"]
         name = (meta.get("labels") or {}).get(LABEL_RESERVATION)
-        if not name:
+        if not name or not meta.get("uid"):
             return
-        res = await self._get(meta["namespace"], name)
-        if res is None or not meta.get("uid"):
+        # From the watch cache, not a GET per pod event (issue #31: over one read per admitted pod).
+        # A cached version that is behind only costs a conflict: every write carries its
+        # resourceVersion, and a conflict looks again on a fresh read.
+        res = self.state.reservations.items.get(f"{meta['namespace']}/{name}") or await self._get(
+            meta["namespace"], name
+        )
+        if res is None:
             return
         members = [res]
         if res.spec.gpu_count > 1:  # a pod with several GPUs: one booking each, all under its label
@@ -580,6 +585,7 @@ class ReservationReconciler:
         event). False when it had changed (or was gone)."""
         path = reservations_path(res.namespace, res.name)
         version = res.meta.resource_version
+        patched: Obj | None = None
         try:
             if the_plan.delete or the_plan.finalizer == "remove":
                 if res.waits_for_pod_gone:
@@ -611,7 +617,7 @@ class ReservationReconciler:
                 )
                 version = patched["metadata"]["resourceVersion"]
             if the_plan.active_label is not None:
-                await self.kube.merge_patch(
+                patched = await self.kube.merge_patch(
                     path,
                     {
                         "metadata": {
@@ -626,6 +632,13 @@ class ReservationReconciler:
             if exc.not_found or exc.conflict or exc.status == 422:
                 return False
             raise
+        if patched is not None:
+            # The next pod event plans from this version, not from the one its watch event replaces.
+            self.state.reservations.put(
+                res.key,
+                GpuReservation.from_wire(patched),
+                resource_version=patched["metadata"]["resourceVersion"],
+            )
         if the_plan.event is None:
             return True
         if the_plan.event_on_reservation:

@@ -102,6 +102,29 @@ async def test_a_sweep_reads_the_caches_not_the_api() -> None:
         assert sum(op == "list" for op, _ in kube.calls) == before
 
 
+async def test_a_pod_event_plans_from_the_cache_and_a_stale_copy_only_costs_a_fresh_look() -> None:
+    async with setup() as (kube, reconciler):
+        own = await add_pod(kube, "task", created=NOW + 1)
+        await fed()
+        gets = sum(op == "get" and path == PATH for op, path in kube.calls)
+        await reconciler.pod_changed(own, deleted=False, presence=PRESENT)
+        assert (status(kube)["phase"], status(kube)["podUID"]) == ("Bound", "uid-task")
+        assert sum(op == "get" and path == PATH for op, path in kube.calls) == gets  # no read per pod event
+        # The cache lags behind a write (someone else's): the plan's precondition fails, and the
+        # reservation is looked at again on a fresh read, not left to the next sweep.
+        stale = reconciler.state.reservations.items["jobs/task-ab12"]
+        await kube.merge_patch(PATH, {"metadata": {"annotations": {"example.com/by-hand": "yes"}}})
+        reconciler.state.reservations.items["jobs/task-ab12"] = stale
+        await kube.delete("/api/v1/namespaces/jobs/pods/task")
+        await reconciler.pod_changed(own, deleted=True, presence=PRESENT)
+        for _ in range(50):
+            if status(kube)["phase"] == "Released":
+                break
+            await asyncio.sleep(0.01)
+        assert (status(kube)["phase"], status(kube)["reason"]) == ("Released", "PodDeleted")
+        assert sum(op == "get" and path == PATH for op, path in kube.calls) > gets
+
+
 async def test_a_pod_the_cache_has_not_seen_yet_is_not_taken_for_gone() -> None:
     async with setup() as (kube, reconciler):
         own = await add_pod(kube, "task", created=NOW + 1)
