@@ -656,6 +656,13 @@ def summary(report: dict[str, Any]) -> str:
             f"committing p50 <= {w['p50_ms_at_most']:.1f} ms (mean {w['mean_ms']:.1f}); "
             f"consistent reads {r['consistent_reads']:.0f}"
         )
+        for case, cost in r.get("cost_per_pod", {}).items():
+            cpu = cost["cpu_ms"]
+            lines.append(
+                f"      per pod, {case}: {cost['api_requests_total']:.2f} API requests "
+                f"({', '.join(f'{k} {v:g}' for k, v in cost['api_requests'].items())}); CPU ms "
+                + ", ".join(f"{k} {v:.1f}" for k, v in cpu.items())
+            )
     for scale in report["scale"]:
         d = scale["webhook_decision"]
         c = scale["webhook_choose"]

@@ -89,6 +89,15 @@ def test_admission_smoke(tmp_path: Path) -> None:
         assert level["api_writes"].get("gpureservations/patch", 0) == 0
         assert level["api_writes"]["gpudevices/patch"] > 0
         assert level["api_writes_per_admission"] > 1
+        # What each phase cost the cluster, per pod, by the API server's own count: every pod was
+        # created once, and only vramshare's pods made reservations (one each, at least).
+        cost = level["cost_per_pod"]
+        for case in ("baseline", "null_webhook", "vramshare"):
+            assert cost[case]["api_requests"]["pods/post"] >= 1
+            assert cost[case]["cpu_ms"]["kube-apiserver"] > 0
+        assert cost["vramshare"]["api_requests"]["gpureservations/post"] >= 1
+        assert "gpureservations/post" not in cost["baseline"]["api_requests"]
+        assert cost["vramshare"]["api_requests_total"] > cost["baseline"]["api_requests_total"]
     assert (tmp_path / "admission.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     ng = report["no_gpu"]
     for case in ("no_webhook", "unmanaged", "hidden", "hidden_in_process"):

@@ -34,19 +34,19 @@ from vramshare.kube.client import Connection, KubeClient, Obj
 from vramshare.kube.heartbeat import ANNOTATION_HEARTBEAT, encode
 from vramshare.kube.lease_watch import HeartbeatSource, logged_heartbeat
 from vramshare.kube.ledger import KubeLedger
-from vramshare.kube.resources import GROUP, RESERVATIONS, VERSION
+from vramshare.kube.objects import GpuReservation
 from vramshare.prometheus import DcgmSource
 from vramshare.settings import SettingsError
 
 log = structlog.get_logger("vramshare.controller")
 
 
-def kopf_registry(
-    inventory: InventoryLoop, reconciler: ReservationReconciler, queue: QueueLoop
-) -> kopf.OperatorRegistry:
-    """kopf watches the reservations and hands every change to the reconciler at once; it also
-    wakes the queue (memory may have freed up). Pods come from the controller's own server-side
-    filtered watch (PodEvents), not from kopf, whose label filters are applied on the client."""
+def kopf_registry() -> kopf.OperatorRegistry:
+    """kopf runs the leader's term (its settings, its login, SIGTERM). The events of reservations and
+    pods come from the controller's own watch caches (`ClusterState`), decoded once: kopf's
+    cluster-wide reservation watch was a third stream of the same objects beside the state's and the
+    queue's, each event decoded and handled again, and a third watcher for the API server to feed
+    (issue #31). kopf's pod label filters are applied on the client, hence `PodEvents`."""
     registry = kopf.OperatorRegistry()
 
     @kopf.on.startup(registry=registry)
@@ -62,17 +62,6 @@ def kopf_registry(
         if os.environ.get("KUBECONFIG"):
             return kopf.login_with_kubeconfig(**kwargs)
         return kopf.login_via_client(**kwargs)
-
-    # Every reservation, so that a booking whose pod never appears is looked at again the moment its
-    # TTL runs out (not at the next sweep), and a deleted one goes the moment its pod is gone.
-    # async: kopf runs a plain function in a worker thread, where the reconciler could not arm its
-    # timers (no running loop: every booking then waited for the next sweep, up to 10 s past its TTL)
-    # nor wake the queue safely.
-    @kopf.on.event(GROUP, VERSION, RESERVATIONS, registry=registry)
-    async def reservation_changed(**event: Any) -> None:
-        if event["type"] != "DELETED":
-            reconciler.reservation_seen(dict(event["body"]), presence=lambda: inventory.presence)
-        queue.wake()
 
     return registry
 
@@ -181,7 +170,7 @@ async def lead(
     *,
     pools: PoolSync | None = None,
 ) -> None:
-    """Run the leader's loops over the watch-fed state (and kopf's event handlers) until one ends;
+    """Run the leader's loops over the watch-fed state (and kopf) until one ends;
     re-raise why (LeadershipLostError above all). `pools`: the optional Airflow pool sync."""
     stop = asyncio.Event()
 
@@ -190,6 +179,16 @@ async def lead(
         queue.wake()
 
     pod_events = PodEvents(state.pods, handle=pod_changed)
+
+    # Every reservation, as the state's watch brings it (its first list included), so that a booking
+    # whose pod never appears is looked at again the moment its TTL runs out (not at the next sweep),
+    # and a deleted one goes the moment its pod is gone; any change may let the queue place its head.
+    def reservation_changed(_key: str, res: GpuReservation | None, _previous: GpuReservation | None) -> None:
+        if res is not None:
+            reconciler.reservation_changed(res, presence=lambda: inventory.presence)
+        queue.wake()
+
+    state.reservations.on_change(reservation_changed)
 
     async def loops() -> None:
         await state.wait_synced()
@@ -216,7 +215,7 @@ async def lead(
         asyncio.create_task(loops(), name="loops"),
         asyncio.create_task(
             kopf.operator(
-                registry=kopf_registry(inventory, reconciler, queue),
+                registry=kopf_registry(),
                 # Our own name: kopf would otherwise make one with getpass.getuser(), which fails for
                 # a uid the image's /etc/passwd lacks (as restricted pods often run).
                 identity=Identity(elector.identity),

@@ -342,9 +342,13 @@ class ReservationReconciler:
             await self.reconcile(member, [] if deleted else [pod], presence=presence)
 
     def reservation_seen(self, obj: Obj, *, presence: Callable[[], GpuPresence]) -> None:
+        """`reservation_changed`, for a reservation as the API sends it."""
+        self._arm(GpuReservation.from_wire(obj), presence=presence)
+
+    def reservation_changed(self, res: GpuReservation, *, presence: Callable[[], GpuPresence]) -> None:
         """A reservation was created or changed: while it waits for its pod, look again at its TTL, so
         a booking whose pod never appears stops counting on time, not at the next sweep."""
-        self._arm(GpuReservation.from_wire(obj), presence=presence)
+        self._arm(res, presence=presence)
 
     def _arm(self, res: GpuReservation, *, presence: Callable[[], GpuPresence]) -> None:
         key = (res.namespace, res.name)

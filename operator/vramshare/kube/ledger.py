@@ -75,7 +75,10 @@ such read, as long as it started after they arrived.
 **Within one process** a decision puts its reservation into the view before its first await, so the
 next decision already counts it and does not pick the same "best" GPU: requests that arrive together
 are decided together without a batching window. Commits on different GPUs run in parallel; commits
-on the same GPU are chained in order on one token.
+on the same GPU are chained in order on one token, in groups, and pipelined: a group's creates run
+while the group before moves the token (issue #31). Across replicas, GPUs that tie are dealt out so
+that replicas rarely commit on the same GPU at once (`vramshare.domain.shards`); the token, not the
+deal, keeps that safe.
 
 The webhook bounds its whole answer by a deadline below the API server's timeout. A commit cancelled
 by that deadline anywhere after its create withdraws the reservation (bounded by a few seconds), so
