@@ -75,10 +75,11 @@ such read, as long as it started after they arrived.
 **Within one process** a decision puts its reservation into the view before its first await, so the
 next decision already counts it and does not pick the same "best" GPU: requests that arrive together
 are decided together without a batching window. Commits on different GPUs run in parallel; commits
-on the same GPU are chained in order on one token, in groups, and pipelined: a group's creates run
-while the group before moves the token (issue #31). Across replicas, GPUs that tie are dealt out so
-that replicas rarely commit on the same GPU at once (`vramshare.domain.shards`); the token, not the
-deal, keeps that safe.
+on the same GPU are chained in order on one token. Across replicas, GPUs that tie are dealt out so
+that replicas rarely commit on the same GPU at once (`vramshare.domain.shards`, issue #31); the token,
+not the deal, keeps that safe. (Pipelining a GPU's groups, the next group's creates while the last
+one moves the token, was tried in issue #31 and measured no faster on a CPU-bound API server; it
+also needed a mark that never names less than the one it moves from.)
 
 The webhook bounds its whole answer by a deadline below the API server's timeout. A commit cancelled
 by that deadline anywhere after its create withdraws the reservation (bounded by a few seconds), so
@@ -175,14 +176,10 @@ def last_commit_version(device: GpuDevice) -> int:
     """The creation resourceVersion of the last reservation committed on `device` (0: none yet, or
     an annotation without it, written before vramshare recorded it: -1, so only a consistent read
     can vouch for that GPU)."""
-    return _mark_version(device.meta.annotations.get(ANNOTATION_LEDGER))
-
-
-def _mark_version(mark: str | None) -> int:
-    """The resourceVersion a ledger mark (`<namespace>/<name>@<version>`) names; see above."""
-    if not mark:
+    value = device.meta.annotations.get(ANNOTATION_LEDGER)
+    if not value:
         return 0
-    _, _, version = mark.rpartition("@")
+    _, _, version = value.rpartition("@")
     return int(version) if version.isdigit() else -1
 
 
@@ -594,22 +591,12 @@ class KubeLedger:
         return token
 
     async def _drain(self, gpu_uuid: str) -> None:
-        """Commit the GPU's queued bookings group by group, in the order they were decided. The
-        next group's creates run while the last group's token move is on its way (a pipeline of
-        two): the move itself waits for the last one, since it goes on from the token that one made.
-        Each group's creates start after the last group's were made, so its reservations are newer
-        and its mark still covers every booking before it."""
         queue = self._queues[gpu_uuid]
-        moving: asyncio.Task[None] | None = None
         try:
-            while queue or moving is not None:
-                if not queue:
-                    assert moving is not None
-                    await moving
-                    moving = None
-                    continue
+            while queue:
                 first = queue.pop(0)
                 batch = [first]
+                token = first.token
                 if first.live:
                     token = self._head(gpu_uuid, first.token)
                     while (
@@ -619,20 +606,10 @@ class KubeLedger:
                         and self._head(gpu_uuid, queue[0].token) == token
                     ):
                         batch.append(queue.pop(0))
-                made = await self._create_group(batch)
-                if moving is not None:
-                    await moving
-                    moving = None
-                if made:
-                    # Read after the last group's move: a live decision follows this process's own chain.
-                    token = self._head(gpu_uuid, first.token) if first.live else first.token
-                    moving = asyncio.get_running_loop().create_task(self._move_token(gpu_uuid, made, token))
+                await self._commit_group(gpu_uuid, batch, token)
         finally:
-            if moving is not None and not moving.done():  # only when this task itself is cancelled
-                moving.cancel()
-                await asyncio.gather(moving, return_exceptions=True)
             self._committers.pop(gpu_uuid, None)
-            for entry in queue:
+            for entry in queue:  # only when this task itself is cancelled (shutdown)
                 self.reservations.drop(entry.key)
                 entry.done.cancel()
             queue.clear()
@@ -656,8 +633,7 @@ class KubeLedger:
             obj = await self.kube.create(reservations_path(res.namespace), res.to_wire())
         return GpuReservation.from_wire(obj)
 
-    async def _create_group(self, batch: list[_Pending]) -> list[tuple[_Pending, GpuReservation]]:
-        """Create a group's reservations in parallel; those that failed are failed."""
+    async def _commit_group(self, gpu_uuid: str, batch: list[_Pending], token: str) -> None:
         results = await asyncio.gather(*(self._create(e) for e in batch), return_exceptions=True)
         made: list[tuple[_Pending, GpuReservation]] = []
         for entry, result in zip(batch, results, strict=True):
@@ -665,18 +641,10 @@ class KubeLedger:
                 made.append((entry, result))
             else:
                 self._fail(entry, result)
-        return made
-
-    async def _move_token(
-        self, gpu_uuid: str, made: list[tuple[_Pending, GpuReservation]], token: str
-    ) -> None:
-        """Move the GPU's token from `token` naming the newest of a group's reservations; the
-        group stands, or is withdrawn and failed."""
+        if not made:
+            return
         newest = max((c for _, c in made), key=lambda c: int(c.meta.resource_version or 0))
-        # Not below the mark it moves from: this group's creates ran while the last group's move was on
-        # its way, and that move may have been rebased over another replica's newer booking.
-        version = max(int(newest.meta.resource_version or 0), _mark_version(self._marks.get(token)))
-        mark = f"{newest.key}@{version}"
+        mark = f"{newest.key}@{newest.meta.resource_version}"
         try:
             bumped, token = await self._bump(gpu_uuid, token=token, mark=mark)
         except BaseException as exc:
