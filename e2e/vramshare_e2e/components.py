@@ -79,8 +79,9 @@ def start_webhook(
         "VRAMSHARE_KUBECONFIG": str(kubeconfig or cluster.kubeconfig),
         # Where start_controller's replicas keep their Lease (and the inventory heartbeat on it).
         "VRAMSHARE_CONTROLLER_LEASE": f"{CONTROLLER_NAMESPACE}/vramshare-controller",
-        # Where the replicas keep their own Leases, to deal GPUs that tie out among themselves.
+        # The replicas keep Leases of their own there, to deal GPUs that tie out among themselves.
         "VRAMSHARE_NAMESPACE": CONTROLLER_NAMESPACE,
+        "VRAMSHARE_REPLICA_LEASE_S": "15",
         "PYTHONUNBUFFERED": "1",
         **(env or {}),
     }

@@ -256,6 +256,21 @@ def test_tls_modes() -> None:
     }
 
 
+def test_replica_leases_are_opt_in_with_their_rbac() -> None:
+    def lease_writes(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        (role,) = [d for d in docs if d["kind"] == "Role" and d["metadata"]["name"] == "t-vramshare-webhook"]
+        return [r for r in role["rules"] if "leases" in r["resources"] and "patch" in r["verbs"]]
+
+    default = render()
+    assert env(find(default, "Deployment", "-webhook"))["VRAMSHARE_REPLICA_LEASE_S"] == "0"
+    assert lease_writes(default) == []  # it only reads the controller's Lease, by name
+    dealt = render("--set", "webhook.settings.replica_lease_s=15")
+    assert env(find(dealt, "Deployment", "-webhook"))["VRAMSHARE_REPLICA_LEASE_S"] == "15"
+    (rule,) = lease_writes(dealt)
+    assert "resourceNames" not in rule
+    assert {"list", "watch", "create", "delete"} <= set(rule["verbs"])
+
+
 def test_optional_objects_and_pdb() -> None:
     docs = render(*VARIANTS["everything"])
     kinds = {d["kind"] for d in docs}

@@ -159,6 +159,7 @@ def test_vramshare_runs_as_the_chart_identities(stack: LocalCluster) -> None:
             "VRAMSHARE_WEBHOOK_CONFIGURATION": "t-vramshare",
             "VRAMSHARE_CONTROLLER_LEASE": f"{NS}/t-vramshare-controller",
             "VRAMSHARE_SETTLE_S": "2",
+            "VRAMSHARE_REPLICA_LEASE_S": "0",  # the chart's default: its Role grants no Lease writes
         },
     )
     start_controller(

@@ -180,11 +180,12 @@ class WebhookSettings:
     controller_lease: str = ""
     """`<namespace>/<name>` of the controller's Lease, which carries the inventory heartbeat (the
     sample time of GPUs whose figures did not change); empty: `<namespace>/vramshare-controller`."""
-    replica_lease_s: float = 15.0
+    replica_lease_s: float = 0.0
     """Each replica renews a Lease of its own every third of this, in `namespace`, so the replicas up
     deal GPUs that tie out among themselves and rarely race for the same one (vramshare.domain.shards);
-    a replica not seen renewing for this long is taken to be gone. 0: no Lease, no dealing (each
-    replica then breaks ties by its own hashed preference)."""
+    a replica not seen renewing for this long is taken to be gone (15 is a good value). 0, the default:
+    no Lease, no dealing (each replica breaks ties by its own hashed preference). Off by default
+    because it needs the right to write Leases whose names are not known ahead (see the chart)."""
     kubeconfig: str = ""
     """Empty: the in-cluster service account."""
     log_level: str = "info"
