@@ -256,7 +256,7 @@ _ABSENCE = ("PodDeleted", "PodNeverCreated")
 
 class ReservationReconciler:
     """Applies the lifecycle to reservations: all of them on a sweep, one on a pod event, and each new
-    booking again the moment its pod should have appeared (`reservation_seen`)."""
+    booking again the moment its pod should have appeared (`reservation_changed`)."""
 
     def __init__(
         self,
@@ -340,10 +340,6 @@ class ReservationReconciler:
                     await self._announce_impostor(member, sighting, now=self.clock())
                 continue  # another pod's event says nothing about this reservation's own pod
             await self.reconcile(member, [] if deleted else [pod], presence=presence)
-
-    def reservation_seen(self, obj: Obj, *, presence: Callable[[], GpuPresence]) -> None:
-        """`reservation_changed`, for a reservation as the API sends it."""
-        self._arm(GpuReservation.from_wire(obj), presence=presence)
 
     def reservation_changed(self, res: GpuReservation, *, presence: Callable[[], GpuPresence]) -> None:
         """A reservation was created or changed: while it waits for its pod, look again at its TTL, so

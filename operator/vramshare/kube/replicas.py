@@ -77,13 +77,17 @@ class ReplicaLeases:
             name="webhook-replicas",
         )
         self.roster = ReplicaRoster(lease_s=lease_s)
+        self.cache.on_change(self._observe)
 
     def up(self) -> tuple[str, ...]:
-        """The replicas up now, this one included once its Lease is seen, in name order."""
+        """The replicas up now, this one included once its Lease is seen, in name order. Called for
+        every decision: the roster takes the Leases in as their events arrive, not here."""
+        return self.roster.up(now=self.clock())
+
+    def _observe(self, *_: object) -> None:
         self.roster.observe(
             {held[0]: held[1] for held in self.cache.items.values() if held is not None}, now=self.clock()
         )
-        return self.roster.up(now=self.clock())
 
     async def run(self) -> None:
         await asyncio.gather(self.cache.run(), self._hold())
@@ -117,7 +121,6 @@ class ReplicaLeases:
     async def clean_up(self) -> int:
         """Delete the Leases of replicas gone for `CLEAN_UP_AFTER` durations (crashed, or their pods
         deleted without a shutdown); each only as last seen, so one renewed meanwhile stays."""
-        self.up()
         gone = set(self.roster.long_gone(now=self.clock(), after_s=CLEAN_UP_AFTER * self.lease_s))
         deleted = 0
         for key, held in list(self.cache.items.items()):

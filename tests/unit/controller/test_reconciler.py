@@ -151,7 +151,7 @@ async def test_a_booking_whose_pod_never_appears_expires_when_its_ttl_runs_out()
     now = [NOW]
     async with setup(ttl_s=0.2, now=now) as (kube, reconciler):
         now[0] = NOW + 0.3  # the TTL has run out by the time the timer fires
-        reconciler.reservation_seen(kube.objects[PATH], presence=lambda: PRESENT)
+        reconciler.reservation_changed(GpuReservation.from_wire(kube.objects[PATH]), presence=lambda: PRESENT)
         await asyncio.sleep(0.05)
         assert "phase" not in status(kube)  # not yet: the check waits for the TTL plus a moment
         await asyncio.sleep(0.6)
@@ -167,7 +167,7 @@ async def test_a_look_that_came_early_is_taken_again_when_due_not_at_the_next_sw
     now = [NOW]
     async with setup(ttl_s=0.2, now=now) as (kube, reconciler):
         now[0] = NOW + 0.1  # when the timer fires, the server's clock says 0.1 s: not due yet
-        reconciler.reservation_seen(kube.objects[PATH], presence=lambda: PRESENT)
+        reconciler.reservation_changed(GpuReservation.from_wire(kube.objects[PATH]), presence=lambda: PRESENT)
         await asyncio.sleep(0.65)
         assert status(kube).get("phase") == "Reserved"  # looked at, not due
         now[0] = NOW + 0.3  # due now: the next look, 0.5 s after the early one, expires it
@@ -253,7 +253,7 @@ async def test_a_reservation_event_for_a_deleted_booking_whose_pod_is_gone_lets_
         await reconciler.pod_changed(pod, deleted=True, presence=PRESENT)
         assert status(kube)["phase"] == "Released"
         deleted = await kube.delete(PATH)
-        reconciler.reservation_seen(deleted, presence=lambda: PRESENT)
+        reconciler.reservation_changed(GpuReservation.from_wire(deleted), presence=lambda: PRESENT)
         for _ in range(20):
             if PATH not in kube.objects:
                 break
