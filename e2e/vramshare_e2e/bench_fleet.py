@@ -78,6 +78,9 @@ def _controller_metrics(port: int) -> dict[str, float]:
         m = re.match(r'^vramshare_gpudevice_status_writes_total\{why="([a-z]+)"\} ([0-9.e+-]+)$', line)
         if m:
             out[f"writes_{m.group(1)}"] = float(m.group(2))
+        m = re.match(r'^vramshare_inventory_poll_step_seconds_sum\{step="([a-z]+)"\} ([0-9.e+-]+)$', line)
+        if m:
+            out[f"step_{m.group(1)}"] = float(m.group(2))
         m = re.match(r'^vramshare_inventory_heartbeat_gpus\{coverage="([a-z]+)"\} ([0-9.e+-]+)$', line)
         if m:
             out[f"heartbeat_{m.group(1)}"] = float(m.group(2))
@@ -88,6 +91,7 @@ def _polls(port: int, *, polls: int, between: Callable[[], None] | None = None) 
     """Watch `polls` inventory polls complete; `between` runs right after the first one counted."""
     seen = _controller_metrics(port)
     per_poll: list[tuple[float, float, float]] = []
+    steps: list[dict[str, float]] = []
     deadline = time.monotonic() + polls * POLL_INTERVAL_S * 6
     while len(per_poll) < polls and time.monotonic() < deadline:
         # Not more often: rendering the controller's /metrics (nine series per GPU, 9000 at this
@@ -101,6 +105,13 @@ def _polls(port: int, *, polls: int, between: Callable[[], None] | None = None) 
             changed = now.get("writes_changed", 0.0) - seen.get("writes_changed", 0.0)
             refreshed = now.get("writes_refresh", 0.0) - seen.get("writes_refresh", 0.0)
             per_poll.append((round(took, 3), changed, refreshed))
+            steps.append(
+                {
+                    k.removeprefix("step_"): round(v - seen.get(k, 0.0), 3)
+                    for k, v in now.items()
+                    if k.startswith("step_")
+                }
+            )
             seen = now
             if between is not None and len(per_poll) == 1:
                 between()
@@ -111,6 +122,8 @@ def _polls(port: int, *, polls: int, between: Callable[[], None] | None = None) 
         "status_writes_changed": [c for _, c, _ in per_poll],
         "status_writes_refresh": [r for _, _, r in per_poll],
         "max_poll_s": max((p for p, _, _ in per_poll), default=None),
+        # Where each poll's time went (`vramshare_inventory_poll_step_seconds`).
+        "steps_s": steps,
         # GPUs the last poll's heartbeat dated (no status write of their own), and those it did not.
         "heartbeat_confirmed": seen.get("heartbeat_confirmed", 0.0),
         "heartbeat_unconfirmed": seen.get("heartbeat_unconfirmed", 0.0),
@@ -236,7 +249,7 @@ def summary(report: dict[str, Any]) -> str:
                 f"  {key}: poll s {value['poll_s']} (max {value['max_poll_s']}), status writes per poll: "
                 f"changed {value['status_writes_changed']}, refresh {value['status_writes_refresh']}; "
                 f"heartbeat dated {value['heartbeat_confirmed']:.0f} GPUs "
-                f"({value['heartbeat_unconfirmed']:.0f} not)"
+                f"({value['heartbeat_unconfirmed']:.0f} not); steps s {value['steps_s']}"
             )
     adm = report["admission"]
     lines.append(

@@ -96,6 +96,9 @@ def test_admission_smoke(tmp_path: Path) -> None:
             assert cost[case]["api_requests"]["pods/post"] >= 1
             assert cost[case]["cpu_ms"]["kube-apiserver"] > 0
         assert cost["vramshare"]["api_requests"]["gpureservations/post"] >= 1
+        # The controller binds a booking in one write, its status (issue #31: it wrote an
+        # ownerReference as well, 2.05 patches per pod).
+        assert cost["vramshare"]["api_requests"].get("gpureservations/patch", 0) < 1.5
         assert "gpureservations/post" not in cost["baseline"]["api_requests"]
         assert cost["vramshare"]["api_requests_total"] > cost["baseline"]["api_requests_total"]
     assert (tmp_path / "admission.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -145,6 +148,10 @@ def test_fleet_smoke(tmp_path: Path) -> None:
     assert report["gpus"] == 64
     for key in ("polls_unchanged", "polls_4_changed", "polls_16_changed"):
         assert len(report[key]["poll_s"]) == 3, key
+        # Each poll's time is broken down by step, and the steps add up to it.
+        for took, steps in zip(report[key]["poll_s"], report[key]["steps_s"], strict=True):
+            assert set(steps) == {"read", "judge", "write", "publish"}, steps
+            assert sum(steps.values()) == pytest.approx(took, abs=0.01), (took, steps)
     # Nothing changed: no write at all. The heartbeat on the Lease dates every GPU, so none needs its
     # sample time rewritten.
     assert sum(report["polls_unchanged"]["status_writes_changed"]) == 0

@@ -148,7 +148,10 @@ def test_reservation_goes_reserved_bound_released_with_events(
     )
     assert bound["status"]["podUID"] == pod.metadata.uid
     assert bound["status"]["observedGeneration"] == bound["metadata"]["generation"]
-    assert bound["metadata"]["ownerReferences"][0]["uid"] == pod.metadata.uid
+    # No ownerReference: binding is one status write (issue #31); the controller deletes the booking
+    # once its pod is gone (next test).
+    assert not bound["metadata"].get("ownerReferences")
+    assert bound["metadata"]["finalizers"] == ["vramshare.io/pod-terminated"]  # set at creation
     eventually(lambda: phase_of(stack, name) == "Released", what="Released")
     assert reservation(stack, name)["status"]["reason"] == "PodFinished"
     # Ended: labelled inactive, so the webhook's LIST of the live ledger skips it.
@@ -172,7 +175,7 @@ def test_deleting_the_pod_deletes_its_reservation(stack: LocalCluster, core: cli
     core.delete_namespaced_pod("deleted-task", "jobs")
     eventually(
         lambda: "NotFound" in stack.kubectl("get", "gpureservation", name, "-n", "jobs", check=False),
-        what="garbage collection of the reservation",
+        what="the controller deleting the reservation",
     )
 
 
@@ -573,11 +576,18 @@ def counted(stack: LocalCluster, pod: client.V1Pod) -> None:
 
 
 def keeps_counting(
-    stack: LocalCluster, core: client.CoreV1Api, *, namespace: str, pod: client.V1Pod, event: bool = True
+    stack: LocalCluster,
+    core: client.CoreV1Api,
+    *,
+    namespace: str,
+    pod: client.V1Pod,
+    event: bool = True,
+    deleted: bool = True,
 ) -> str:
-    """Wait until the pod is terminating and its booking deleted, then check for 4 s (four lifecycle
-    sweeps) that the booking stays, Bound, counted in its GPU's reserved memory, and (`event`) that an
-    event says why; returns its name. A namespace being deleted takes no new events."""
+    """Wait until the pod is terminating and (`deleted`) its booking's deletion requested, then check
+    for 4 s (four lifecycle sweeps) that the booking stays, Bound, counted in its GPU's reserved
+    memory, and (`event`) that an event says why; returns its name. A namespace being deleted takes no
+    new events."""
     name = pod.metadata.annotations[ANNOTATION_RESERVATION]
     uuid = pod.metadata.annotations[ANNOTATION_GPU_UUID]
     mib = int(pod.metadata.annotations["gpu-mem-mb"])
@@ -585,10 +595,11 @@ def keeps_counting(
         lambda: core.read_namespaced_pod(pod.metadata.name, namespace).metadata.deletion_timestamp,
         what="the pod terminating",
     )
-    eventually(
-        lambda: reservation(stack, name, namespace)["metadata"].get("deletionTimestamp"),
-        what="the booking's deletion requested",
-    )
+    if deleted:
+        eventually(
+            lambda: reservation(stack, name, namespace)["metadata"].get("deletionTimestamp"),
+            what="the booking's deletion requested",
+        )
     until = time.monotonic() + 4
     while time.monotonic() < until:
         res = reservation(stack, name, namespace)  # still there: a NotFound fails the test
@@ -656,13 +667,17 @@ def test_a_deleted_namespace_keeps_its_bookings_until_its_pods_are_gone(
 def test_foreground_deletion_of_a_pod_keeps_its_booking_until_the_pod_is_gone(
     stack: LocalCluster, core: client.CoreV1Api
 ) -> None:
-    """Foreground deletion deletes the pod's dependents first, the booking through its ownerReference,
-    while the pod terminates. Before: the booking was gone at once."""
+    """Foreground deletion deletes the pod's dependents first, while the pod terminates: once the
+    booking through its ownerReference (before issue #30 it was gone at once). Since issue #31
+    vramshare writes no ownerReference, so the booking is not a dependent: it is not deleted at all
+    while its pod terminates, and the controller deletes it once the pod is gone. A booking of an
+    older vramshare, which has one, is deleted and kept by its finalizer (the namespace test above)."""
     pod = core.create_namespaced_pod("jobs", terminating_pod("foreground", 3000))
     res = pod.metadata.annotations[ANNOTATION_RESERVATION]
     eventually(lambda: phase_of(stack, res) == "Bound", what="Bound")
     counted(stack, pod)
     core.delete_namespaced_pod("foreground", "jobs", propagation_policy="Foreground")
-    keeps_counting(stack, core, namespace="jobs", pod=pod)
+    keeps_counting(stack, core, namespace="jobs", pod=pod, event=False, deleted=False)
+    assert not reservation(stack, res)["metadata"].get("deletionTimestamp")
     took = gone_after_the_pod(stack, core, namespace="jobs", pod="foreground", res=res)
     print(f"\nforeground deletion: the booking counted while its pod terminated, gone {took:.2f} s after it")

@@ -82,7 +82,7 @@ def devices(cluster: LocalCluster) -> dict[str, dict[str, Any]]:
 
 
 def phase(cluster: LocalCluster, name: str) -> str:
-    """The booking's phase; "gone" once deleted (with its pod, through the ownerReference)."""
+    """The booking's phase; "gone" once deleted (the controller deletes it once its pod is gone)."""
     found = json.loads(cluster.kubectl("get", "gpureservations", "-n", "jobs", "-o", "json"))["items"]
     return next(
         (b.get("status", {}).get("phase", "") for b in found if b["metadata"]["name"] == name), "gone"

@@ -137,7 +137,7 @@ class FakeKube:
         if version is not None and version != current["metadata"]["resourceVersion"]:
             raise ApiError(status=409, reason="Conflict", message="the object has been modified")
 
-    async def get(self, path: str) -> Obj:
+    async def get(self, path: str, *, resource_version: str | None = None) -> Obj:
         self._check("get", path)
         return copy.deepcopy(self._found(path))
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import structlog
+from prometheus_client import Histogram
 
 from vramshare.controller.capacity import NodeCapacity
 from vramshare.controller.delivery import DeliveryPreflight
@@ -200,6 +201,19 @@ class _GpuSeries:
         )
 
 
+class _Steps:
+    """Times a poll's steps one after the other into `vramshare_inventory_poll_step_seconds`."""
+
+    def __init__(self, histogram: Histogram) -> None:
+        self.histogram = histogram
+        self.since = time.monotonic()
+
+    def done(self, step: str) -> None:
+        now = time.monotonic()
+        self.histogram.labels(step).observe(now - self.since)
+        self.since = now
+
+
 class InventoryLoop:
     """The leader's inventory: `poll()` once, or `run()` every poll interval."""
 
@@ -332,7 +346,9 @@ class InventoryLoop:
         return out
 
     async def poll(self) -> list[Judged]:
+        step = _Steps(self.metrics.poll_step_seconds)
         reading: DcgmReading | None = await self._reading()
+        step.done("read")
         # From the watch caches: no LIST per poll.
         devices = list(self.state.devices.items.values())
         reservations = [r.to_domain() for r in self.state.reservations.items.values() if r.phase.is_active]
@@ -397,7 +413,9 @@ class InventoryLoop:
                 ):
                     landed.add(judged.gpu.uuid)
 
+        step.done("judge")
         outcomes = await asyncio.gather(*(keep(j) for j in ordered), return_exceptions=True)
+        step.done("write")
         failed = [o for o in outcomes if isinstance(o, BaseException)]
         if failed:  # the others' writes stand; the next poll tries these again
             raise failed[0]
@@ -415,6 +433,7 @@ class InventoryLoop:
         await self.capacity.advertise(j.gpu for j in statuses if j.gpu.uuid not in forgotten)
         self.polled.set()
         self._export(statuses, reservations, now)
+        step.done("publish")
         return statuses
 
     def _publish(self, heartbeat: InventoryHeartbeat | None) -> None:

@@ -111,6 +111,15 @@ class ControllerMetrics:
             buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
             registry=self.registry,
         )
+        self.poll_step_seconds = Histogram(
+            "vramshare_inventory_poll_step_seconds",
+            "Where an inventory poll's time goes, by step: read (the Prometheus query and its parsing), "
+            "judge (every GPU against its samples and bookings), write (the GpuDevice writes of what "
+            "changed), publish (heartbeat, node capacity, these metrics).",
+            ["step"],
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+            registry=self.registry,
+        )
         self.heartbeat_gpus = Gauge(
             "vramshare_inventory_heartbeat_gpus",
             "GPUs the last poll's inventory heartbeat (on the Lease) confirmed, and those it did not "

@@ -1,8 +1,13 @@
 """The reservation reconciler: each GpuReservation kept in step with its pod.
 
 `plan()` is pure: from the reservation, what is known of its pod, whether its GPU is missing and the
-time, it returns the status to write, the ownerReference to add, the event to post on the pod and
-whether to delete the reservation. `ReservationReconciler` applies plans: for every reservation on a
+time, it returns the status to write, the event to post on the pod and whether to delete the
+reservation.
+
+No ownerReference is written (issue #31): it was a second write per admitted pod (status is a
+subresource, so it could not share the Bound status's), and all it did is now done here: a booking
+is deleted once the pod it was bound to is gone, and its finalizer (set at creation) keeps it
+counting until then however it is deleted. `ReservationReconciler` applies plans: for every reservation on a
 sweep, and at once for a pod event.
 """
 
@@ -35,7 +40,6 @@ from vramshare.kube.client import ApiError, KubeClient, Obj
 from vramshare.kube.events import Event, Involved, post_event
 from vramshare.kube.objects import (
     GpuReservation,
-    OwnerRef,
     ReservationStatus,
     remove_finalizer,
 )
@@ -83,7 +87,6 @@ class Plan:
     status: ReservationStatus | None = None
     """The status to write; None when it stays as it is."""
     transition: Transition | None = None
-    owner: PodSighting | None = None
     event: Event | None = None
     event_on_reservation: bool = False
     """Post the event on the GpuReservation (its pod never appeared) instead of the pod."""
@@ -99,9 +102,7 @@ class Plan:
 
     @property
     def empty(self) -> bool:
-        return not (
-            self.status or self.owner or self.event or self.delete or self.active_label or self.finalizer
-        )
+        return not (self.status or self.event or self.delete or self.active_label or self.finalizer)
 
 
 def _event(res: GpuReservation, transition: Transition) -> Event | None:
@@ -177,7 +178,6 @@ def plan(
         # Make the implicit phase visible to kubectl: Reserved when just committed or placed, Queued
         # again when a placement was withdrawn.
         status = replace(status, phase=res.phase)
-    owner = None
     transition = next_phase(
         phase=res.phase,
         pod=pod.state if pod is not None else PodState.ABSENT,
@@ -187,15 +187,13 @@ def plan(
         seen=bool(current.pod_uid),
         hold_limit_s=hold_limit_s,
     )
-    # Open (queued or holding memory): its pod is recorded and owns it.
+    # Open (queued or holding memory): its pod is recorded.
     active_after = transition.phase.is_open if transition is not None else res.phase.is_open
     if pod is not None and active_after:
         if current.pod_uid != pod.uid:
             status = replace(status, pod_uid=pod.uid)
         if pod.running_since is not None and current.pod_running_since is None:
             status = replace(status, pod_running_since=pod.running_since)
-        if not any(o.uid == pod.uid for o in res.meta.owners):
-            owner = pod
     event, on_reservation = None, False
     if transition is not None:
         status = replace(status, phase=transition.phase, reason=transition.reason, message=transition.message)
@@ -210,9 +208,17 @@ def plan(
         written = status if status != current else None
         return _deleted(res, status=written, transition=transition, event=event, active_after=active_after)
     delete = False
-    if transition is None and not active_after:
+    # The pod it was bound to is gone (deleted now, or after it finished): it goes at once, as it
+    # went through an ownerReference before.
+    pod_gone = pod is None and bool(current.pod_uid)
+    if not active_after and (transition is None or pod_gone):
         finished = current.finished_at if current.finished_at is not None else (res.meta.created_at or 0.0)
-        delete = due_for_cleanup(phase=res.phase, finished_age_s=now - finished, retention_s=retention_s)
+        delete = due_for_cleanup(
+            phase=transition.phase if transition is not None else res.phase,
+            finished_age_s=now - finished,
+            retention_s=retention_s,
+            pod_gone=pod_gone,
+        )
     label = None
     if not active_after and res.labelled_active and not delete:
         label = "false"
@@ -223,7 +229,6 @@ def plan(
     return Plan(
         status=status if status != current else None,
         transition=transition,
-        owner=owner,
         event=event,
         event_on_reservation=on_reservation,
         delete=delete,
@@ -589,22 +594,21 @@ class ReservationReconciler:
         try:
             if the_plan.delete or the_plan.finalizer == "remove":
                 if res.waits_for_pod_gone:
-                    patched = await self.kube.json_patch(path, remove_finalizer(res.meta, FINALIZER_POD_GONE))
+                    # Planned from the version read, as every write here is: a stale copy fails (422)
+                    # and is looked at again.
+                    unchanged = {"op": "test", "path": "/metadata/resourceVersion", "value": version}
+                    patched = await self.kube.json_patch(
+                        path, [unchanged, *remove_finalizer(res.meta, FINALIZER_POD_GONE)]
+                    )
                     version = patched["metadata"]["resourceVersion"]
                 if the_plan.delete:
                     await self.kube.delete(path, resource_version=version)
                     return True
-            metadata: dict[str, object] = {}
-            if the_plan.finalizer == "add":  # in the same write as the owner, when there is one
-                metadata = {"finalizers": [*res.meta.finalizers, FINALIZER_POD_GONE]}
-            if the_plan.owner is not None:
-                owner = OwnerRef(
-                    api_version="v1", kind="Pod", name=the_plan.owner.name, uid=the_plan.owner.uid
+            if the_plan.finalizer == "add":  # a booking made before the finalizer existed, or by hand
+                finalizers = [*res.meta.finalizers, FINALIZER_POD_GONE]
+                patched = await self.kube.merge_patch(
+                    path, {"metadata": {"finalizers": finalizers, "resourceVersion": version}}
                 )
-                metadata["ownerReferences"] = [o.to_wire() for o in (*res.meta.owners, owner)]
-            if metadata:
-                metadata["resourceVersion"] = version
-                patched = await self.kube.merge_patch(path, {"metadata": metadata})
                 version = patched["metadata"]["resourceVersion"]
             if the_plan.status is not None:
                 # observedGeneration: the spec this status was judged for (API conventions).

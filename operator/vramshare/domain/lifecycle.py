@@ -119,9 +119,13 @@ def _never_created(ttl_s: float, done: str) -> Transition:
     )
 
 
-def due_for_cleanup(*, phase: ReservationPhase, finished_age_s: float, retention_s: float) -> bool:
-    """True when an ended reservation has been kept long enough for people to inspect it."""
-    return not phase.is_open and finished_age_s >= retention_s
+def due_for_cleanup(
+    *, phase: ReservationPhase, finished_age_s: float, retention_s: float, pod_gone: bool
+) -> bool:
+    """True when an ended reservation may go: once the pod it was bound to is gone (as an
+    ownerReference would have it, without the write that records one), or once it has been kept
+    `retention_s` for people to inspect it (its pod finished but still exists, or never came)."""
+    return not phase.is_open and (pod_gone or finished_age_s >= retention_s)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -165,8 +165,11 @@ class KubeClient:
                 )
             return payload
 
-    async def get(self, path: str) -> Obj:
-        return await self.request("GET", path)
+    async def get(self, path: str, *, resource_version: str | None = None) -> Obj:
+        """GET. `resource_version="0"` is served from the API server's watch cache, as it is: no read
+        of etcd, and possibly a moment behind it."""
+        params = {"resourceVersion": resource_version} if resource_version is not None else None
+        return await self.request("GET", path, params=params)
 
     async def list(
         self,

@@ -51,13 +51,14 @@ broke (issue #30, 1), and `WatchCache` now rules out, each reproduced against th
   replaced by an older version of itself (each item's resourceVersion is kept).
 
 **A booking ends when its pod does, not when its object is deleted** (issue #30, 5). Deleting a
-namespace deletes its GpuReservations at once, and foreground deletion of a pod deletes its booking
-through the ownerReference first, both while the pod may still be terminating with the memory in use:
-the ledger lost the booking of a pod that still held the GPU. Every booking made for a pod is created
-with the finalizer `vramshare.io/pod-terminated`, so a deleted one stays in every view, with its phase,
-and counts until the controller has seen its pod gone or finished (or, with no pod, the TTL pass) and
-removes it. A booking this process withdraws (its pod will never exist) has the finalizer removed
-before it is deleted, so it stops counting at once, as before.
+namespace deletes its GpuReservations at once, and foreground deletion of a pod deleted its booking
+through the ownerReference first (vramshare wrote one until issue #31), both while the pod may still
+be terminating with the memory in use: the ledger lost the booking of a pod that still held the GPU.
+Every booking made for a pod is created with the finalizer `vramshare.io/pod-terminated`, so a deleted
+one stays in every view, with its phase, and counts until the controller has seen its pod gone or
+finished (or, with no pod, the TTL pass) and removes it. A booking this process withdraws (its pod
+will never exist) has the finalizer removed before it is deleted, so it stops counting at once, as
+before.
 
 **Sample times come from two objects** (issue #31). The controller writes a GpuDevice's status only
 when its figures or state change; that its figures were read again since is said once per poll by the
@@ -462,9 +463,12 @@ class KubeLedger:
         return False
 
     async def pod_exists(self, namespace: str, name: str) -> bool:
-        """Whether a pod of that name exists now (a GET: exact, and cheap beside a pod cache)."""
+        """Whether a pod of that name exists (a GET, cheap beside a pod cache). Served from the API
+        server's watch cache, not etcd (issue #31: one read of etcd less per admission): it may miss
+        a pod created in the last moment, whose duplicate then gets a booking that ends at the TTL,
+        as before this check; a loop of such creates is caught from its second try on."""
         try:
-            await self.kube.get(pod_path(namespace, name))
+            await self.kube.get(pod_path(namespace, name), resource_version="0")
         except ApiError as exc:
             if exc.not_found:
                 return False

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import Any, Self
 
 from vramshare.domain import Gpu, Reservation, ReservationPhase
@@ -330,7 +331,7 @@ class GpuReservation:
     def key(self) -> str:
         return f"{self.namespace}/{self.name}"
 
-    @property
+    @cached_property  # an immutable object read on every poll and sweep (10 000 of them, issue #31)
     def phase(self) -> ReservationPhase:
         """The recorded phase; none yet means just Reserved (Queued without a GPU). A queue entry the
         controller has placed is Reserved from the moment its spec names the GPU, and one whose
@@ -379,6 +380,11 @@ class GpuReservation:
         return self.meta.labels.get(LABEL_ACTIVE) != "false"
 
     def to_domain(self) -> Reservation:
+        return self._domain
+
+    @cached_property
+    def _domain(self) -> Reservation:
+        # Once per object, not per look: the controller's poll converted its whole ledger every time.
         return Reservation(
             name=self.meta.name,
             namespace=self.namespace,

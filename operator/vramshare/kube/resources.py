@@ -51,10 +51,11 @@ ANNOTATION_REINVOKED = "vramshare.io/reinvoked-by"
 """On reservations: the request UID of the one reinvocation that took the booking up."""
 FINALIZER_POD_GONE = "vramshare.io/pod-terminated"
 """On every booking made for a pod (not on holds, which have none): a deleted booking keeps counting
-until its pod has terminated. Deleting a namespace deletes its GpuReservations at once, and foreground
-deletion of a pod deletes them through the ownerReference, both while the pod may still be terminating
-and holding GPU memory; the controller removes this finalizer once the booking has ended (its pod gone
-or finished, or never seen within the TTL)."""
+until its pod has terminated. Deleting a namespace deletes its GpuReservations at once (before 1.33),
+and foreground deletion of a pod deletes them through an ownerReference (bookings of vramshare before
+issue #31, which wrote one), both while the pod may still be terminating and holding GPU memory; the
+controller removes this finalizer once the booking has ended (its pod gone or finished, or never seen
+within the TTL)."""
 ANNOTATION_LEDGER = "vramshare.io/last-reservation"
 LABEL_HEARTBEAT_LEASE = "vramshare.io/inventory-heartbeat"
 """On the controller's Lease once it carries the inventory heartbeat (see vramshare.kube.heartbeat)."""

@@ -56,13 +56,15 @@ def make(o: dict[str, Any], pod: PodSighting | None = POD, *, missing: bool = Fa
     return plan(res=res, pod=pod, gpu_missing=missing, now=NOW, ttl_s=300, retention_s=600)
 
 
-def test_binding_records_the_pod_owner_and_posts_the_reserved_event() -> None:
+def test_binding_is_one_status_write_and_posts_the_reserved_event() -> None:
+    """No ownerReference (a second write per pod, issue #31): the finalizer was set at creation, and
+    the controller deletes the booking once its pod is gone."""
     p = make(obj())
     assert p.status is not None
     assert p.status.phase is ReservationPhase.BOUND
     assert p.status.pod_uid == "uid-1"
     assert p.status.to_wire()["podRunningSince"] == format_time(NOW - 30)
-    assert p.owner == POD
+    assert (p.finalizer, p.active_label, p.delete) == (None, None, False)
     assert p.event is not None
     assert p.event.message == "Reserved 4096 MiB on GPU-1 (node-a, index 2)"
 
@@ -121,7 +123,6 @@ def test_a_late_pod_revives_an_expired_booking() -> None:
     assert p.status.finished_at is None
     assert p.status.pod_uid == "uid-1"
     assert p.active_label == "true"
-    assert p.owner == POD
     assert p.event is not None
     assert p.event.type == "Warning"
 
@@ -129,6 +130,23 @@ def test_a_late_pod_revives_an_expired_booking() -> None:
 def test_terminal_reservations_are_deleted_after_retention() -> None:
     assert not make(obj("Released", finishedAt=format_time(NOW - 599)), None).delete
     assert make(obj("Released", finishedAt=format_time(NOW - 600)), None).delete
+    # Its pod finished but is still there: kept for retention_s.
+    finished = obj("Released", podUID="uid-1", finishedAt=format_time(NOW - 599))
+    assert not make(finished, sighting(PodState.FINISHED)).delete
+    # ... but once that pod is deleted, it goes at once, as through the ownerReference it once had.
+    assert make(finished, None).delete
+
+
+def test_a_booking_whose_pod_was_deleted_is_deleted_at_once() -> None:
+    """Bound (or Lost): its pod deleted. The finalizer comes off and the booking goes, in the two
+    writes garbage collection and the controller made through the ownerReference; no Released
+    status or inactive label is written to an object about to go."""
+    for phase in ("Bound", "Lost"):
+        p = make(obj(phase, podUID="uid-1", podRunningSince=format_time(NOW - 30)), None)
+        assert p.transition is not None
+        assert (p.transition.phase, p.transition.reason) == (ReservationPhase.RELEASED, "PodDeleted")
+        assert p.delete
+        assert p.active_label is None
 
 
 def test_new_reservation_without_status_shows_reserved() -> None:
@@ -201,7 +219,6 @@ def test_a_queued_entry_records_its_pod_and_stays_queued_and_active() -> None:
     assert p.status is not None
     assert p.status.phase is ReservationPhase.QUEUED
     assert p.status.pod_uid == "uid-1"
-    assert p.owner == QUEUED_POD
     assert p.active_label is None  # still open: the webhook and the queue keep seeing it
 
 
@@ -240,7 +257,7 @@ def test_a_queued_entry_whose_pod_was_deleted_leaves_the_queue() -> None:
     p = make(queued_obj(phase="Queued", podUID="uid-1", queuePosition=3), None)
     assert p.transition is not None
     assert (p.transition.phase, p.transition.reason) == (ReservationPhase.RELEASED, "PodDeleted")
-    assert p.active_label == "false"
+    assert p.delete  # its pod is gone: nothing left to show it for
 
 
 def test_a_queue_entry_whose_pod_never_came_expires_with_an_event_that_names_no_gpu() -> None:
@@ -273,11 +290,9 @@ def test_a_hold_shows_as_held_and_lapses_after_its_limit() -> None:
 
 
 def test_a_booking_without_the_finalizer_gets_it_once_it_counts() -> None:
-    """Bookings made before the finalizer existed (an upgrade) or by hand get it, in the same write as
-    the owner where there is one."""
+    """Bookings made before the finalizer existed (an upgrade) or by hand get it."""
     p = make(obj(finalizers=()))
     assert p.finalizer == "add"
-    assert p.owner == POD
     bound = make(obj("Bound", owners=[{"uid": "uid-1"}], podUID="uid-1", finalizers=("other.io/x",)))
     assert bound.finalizer == "add"
     ended = make(obj("Released", finalizers=(), podUID="uid-1"), None)
@@ -334,7 +349,6 @@ def test_a_deleted_reserved_booking_records_its_pod() -> None:
     assert p.status.pod_uid == "uid-1"
     assert p.deletion_waits
     assert p.finalizer is None
-    assert p.owner is None  # no new owner on an object being deleted
 
 
 def test_a_deleted_object_without_the_finalizer_is_left_to_go() -> None:

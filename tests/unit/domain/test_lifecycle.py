@@ -94,7 +94,11 @@ def test_bound_never_expires_by_ttl() -> None:
 def test_cleanup_only_after_retention_and_only_terminal(
     phase: ReservationPhase, age: float, expected: bool
 ) -> None:
-    assert due_for_cleanup(phase=phase, finished_age_s=age, retention_s=600) is expected
+    assert due_for_cleanup(phase=phase, finished_age_s=age, retention_s=600, pod_gone=False) is expected
+    # Its pod gone: an ended booking goes at once (as through an ownerReference); an open one never.
+    assert due_for_cleanup(phase=phase, finished_age_s=age, retention_s=600, pod_gone=True) is (
+        not phase.is_open
+    )
 
 
 def sighting(
