@@ -256,16 +256,32 @@ def test_tls_modes() -> None:
     }
 
 
-def test_replica_leases_are_opt_in_with_their_rbac() -> None:
-    def lease_writes(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def test_replicas_are_known_from_their_endpoints_by_default_and_leases_are_opt_in() -> None:
+    def rules(docs: list[dict[str, Any]], resource: str) -> list[dict[str, Any]]:
         (role,) = [d for d in docs if d["kind"] == "Role" and d["metadata"]["name"] == "t-vramshare-webhook"]
-        return [r for r in role["rules"] if "leases" in r["resources"] and "patch" in r["verbs"]]
+        return [r for r in role["rules"] if resource in r["resources"]]
 
+    def lease_writes(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [r for r in rules(docs, "leases") if "patch" in r["verbs"]]
+
+    # By default: the pods ready behind the webhook's own Service, read-only.
     default = render()
-    assert env(find(default, "Deployment", "-webhook"))["VRAMSHARE_REPLICA_LEASE_S"] == "0"
+    webhook_env = env(find(default, "Deployment", "-webhook"))
+    assert (
+        webhook_env["VRAMSHARE_REPLICA_SERVICE"] == find(default, "Service", "-webhook")["metadata"]["name"]
+    )
+    assert webhook_env["VRAMSHARE_REPLICA_LEASE_S"] == "0"
+    (read,) = rules(default, "endpointslices")
+    assert set(read["verbs"]) == {"list", "watch"}
     assert lease_writes(default) == []  # it only reads the controller's Lease, by name
+    off = render("--set", "webhook.replicaEndpoints=false")
+    assert "VRAMSHARE_REPLICA_SERVICE" not in env(find(off, "Deployment", "-webhook"))
+    assert rules(off, "endpointslices") == []
+    # Leases instead (replicas not behind the Service): their write rights, and no endpoints.
     dealt = render("--set", "webhook.settings.replica_lease_s=15")
     assert env(find(dealt, "Deployment", "-webhook"))["VRAMSHARE_REPLICA_LEASE_S"] == "15"
+    assert "VRAMSHARE_REPLICA_SERVICE" not in env(find(dealt, "Deployment", "-webhook"))
+    assert rules(dealt, "endpointslices") == []
     (rule,) = lease_writes(dealt)
     assert "resourceNames" not in rule
     assert {"list", "watch", "create", "delete"} <= set(rule["verbs"])

@@ -160,6 +160,9 @@ def test_vramshare_runs_as_the_chart_identities(stack: LocalCluster) -> None:
             "VRAMSHARE_CONTROLLER_LEASE": f"{NS}/t-vramshare-controller",
             "VRAMSHARE_SETTLE_S": "2",
             "VRAMSHARE_REPLICA_LEASE_S": "0",  # the chart's default: its Role grants no Lease writes
+            # The chart's default: the replicas up from its Service's EndpointSlices (read rights
+            # only; the log is checked below for anything forbidden).
+            "VRAMSHARE_REPLICA_SERVICE": "t-vramshare-webhook",
         },
     )
     start_controller(

@@ -38,29 +38,36 @@ def agreeing_identities(gpus: list[str]) -> dict[str, str]:
     return {"a": a, "b": b}
 
 
+def start_two_replicas(local: LocalCluster, *, names: dict[str, str], env: dict[str, str]) -> dict[str, int]:
+    """Webhook replicas a and b named `names` (each serving namespace jobs-a or jobs-b), a controller,
+    and its GPU inventory in place; the replicas' ports."""
+    ports = {
+        s: start_webhook(local, name=f"webhook-{s}", env={**env, "VRAMSHARE_IDENTITY": names[s]})[1]
+        for s in ("a", "b")
+    }
+    local.apply_objects([webhook_configuration(local, ports=ports)])
+    for s in ports:
+        local.kubectl("create", "namespace", f"jobs-{s}")
+        local.kubectl("label", "namespace", f"jobs-{s}", f"vramshare-e2e/shard={s}")
+    start_controller(local, name="controller")
+    eventually(
+        lambda: (
+            len(json.loads(local.kubectl("get", "gpudevices", "-o", "json"))["items"])
+            == len(local.settings.fleet.all_gpus())
+        ),
+        what="the GPU inventory",
+        timeout_s=30,
+    )
+    return ports
+
+
 @pytest.fixture(scope="module")
 def stack() -> Iterator[tuple[LocalCluster, dict[str, int]]]:
     with LocalCluster.start() as local:
         a100s = [g.uuid for _, g in local.settings.fleet.all_gpus() if "A100" in g.model]
         assert len(a100s) == 2
         names = agreeing_identities(a100s)
-        ports = {
-            s: start_webhook(local, name=f"webhook-{s}", env={**ENV, "VRAMSHARE_IDENTITY": names[s]})[1]
-            for s in ("a", "b")
-        }
-        local.apply_objects([webhook_configuration(local, ports=ports)])
-        for s in ports:
-            local.kubectl("create", "namespace", f"jobs-{s}")
-            local.kubectl("label", "namespace", f"jobs-{s}", f"vramshare-e2e/shard={s}")
-        start_controller(local, name="controller")
-        eventually(
-            lambda: (
-                len(json.loads(local.kubectl("get", "gpudevices", "-o", "json"))["items"])
-                == len(local.settings.fleet.all_gpus())
-            ),
-            what="the GPU inventory",
-            timeout_s=30,
-        )
+        ports = start_two_replicas(local, names=names, env=ENV)
         yield local, ports
 
 
@@ -82,14 +89,9 @@ def metric(port: int, name: str) -> float:
     return float(found.group(1)) if found else 0.0
 
 
-def test_replicas_deal_tied_gpus_and_do_not_race(stack: tuple[LocalCluster, dict[str, int]]) -> None:
-    local, ports = stack
-    eventually(lambda: len(leases(local)) == 2, what="both replicas' Leases", timeout_s=20)
-    eventually(
-        lambda: all(metric(p, "vramshare_webhook_replicas_up") == 2 for p in ports.values()),
-        what="each replica to see both up",
-        timeout_s=20,
-    )
+def admit_40_pods_onto_two_tied_a100s(local: LocalCluster, ports: dict[str, int]) -> None:
+    """40 pods created at once, alternately through replicas a and b (their namespaces' shards): each
+    replica takes its own A100, and no commit loses a race to the other."""
     core = client.CoreV1Api(config.new_client_from_config(config_file=str(local.kubeconfig)))
     before = {p: metric(p, "vramshare_webhook_commit_rebases_total") for p in ports.values()}
     conflicts = {p: metric(p, "vramshare_webhook_commit_conflicts_total") for p in ports.values()}
@@ -121,6 +123,17 @@ def test_replicas_deal_tied_gpus_and_do_not_race(stack: tuple[LocalCluster, dict
     for p in ports.values():
         assert metric(p, "vramshare_webhook_commit_rebases_total") == before[p]
         assert metric(p, "vramshare_webhook_commit_conflicts_total") == conflicts[p]
+
+
+def test_replicas_deal_tied_gpus_and_do_not_race(stack: tuple[LocalCluster, dict[str, int]]) -> None:
+    local, ports = stack
+    eventually(lambda: len(leases(local)) == 2, what="both replicas' Leases", timeout_s=20)
+    eventually(
+        lambda: all(metric(p, "vramshare_webhook_replicas_up") == 2 for p in ports.values()),
+        what="each replica to see both up",
+        timeout_s=20,
+    )
+    admit_40_pods_onto_two_tied_a100s(local, ports)
 
 
 def test_a_replica_shut_down_deletes_its_lease_and_one_crashed_is_cleaned_up(

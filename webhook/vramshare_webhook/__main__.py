@@ -21,7 +21,7 @@ from vramshare.kube.client import Connection, KubeClient
 from vramshare.kube.lease_watch import HeartbeatSource, LeaseHeartbeat
 from vramshare.kube.ledger import KubeLedger
 from vramshare.kube.pods import node_view
-from vramshare.kube.replicas import ReplicaLeases
+from vramshare.kube.replicas import ReplicaEndpoints, ReplicaLeases
 from vramshare.kube.resources import LABEL_RESERVATION
 from vramshare.kube.watch import WatchCache
 from vramshare.settings import SettingsError
@@ -121,18 +121,24 @@ async def serve(settings: WebhookSettings) -> None:
 
         # Nodes: a GPU on a node the pod could never be scheduled onto is passed over.
         nodes: WatchCache[NodeView] = WatchCache(kube, "/api/v1/nodes", decode=node_view, name="nodes")
-        # Its peers, so that GPUs that tie are dealt out among the replicas up.
-        replicas = (
-            ReplicaLeases(
+        # Its peers, so that GPUs that tie are dealt out among the replicas up: the pods ready behind
+        # its Service (read-only), or each replica's own Lease (for replicas outside the cluster).
+        replicas: ReplicaEndpoints | ReplicaLeases | None = None
+        if settings.replica_service:
+            replicas = ReplicaEndpoints(
+                kube,
+                namespace=settings.namespace,
+                service=settings.replica_service,
+                on_up=metrics.replicas_up.set,
+            )
+        elif settings.replica_lease_s:
+            replicas = ReplicaLeases(
                 kube,
                 namespace=settings.namespace,
                 identity=settings.identity,
                 lease_s=settings.replica_lease_s,
                 on_up=metrics.replicas_up.set,
             )
-            if settings.replica_lease_s
-            else None
-        )
         admitter = Admitter(
             settings=settings,
             ledger=ledger,

@@ -261,7 +261,7 @@ class Admitter:
         """The Node objects (from a watch cache); none known: only hostname pinning is honoured."""
         self.resource_quotas = resource_quotas
         self.replicas = replicas
-        """The webhook replicas up (from their Leases), among which GPUs that tie are dealt out."""
+        """The webhook replicas up (`vramshare.kube.replicas`), among which GPUs that tie are dealt out."""
         self.gpu_pods = gpu_pods
         """(namespace, reservation label) of every pod carrying vramshare's label (from a watch cache):
         a booking whose pod appeared is not pending, though the controller may not have bound it."""

@@ -60,7 +60,8 @@ class WebhookMetrics:
         )
         self.replicas_up = Gauge(
             "vramshare_webhook_replicas_up",
-            "Webhook replicas this one sees up (by their Leases), itself included once its own is seen; GPUs "
-            "that tie are dealt out among them. 0 while unknown or with replica_lease_s 0.",
+            "Webhook replicas this one sees up (pods ready behind its Service with replica_service, or "
+            "Leases renewed with replica_lease_s); GPUs that tie are dealt out among them. 0 while "
+            "unknown or with neither set.",
             registry=self.registry,
         )

@@ -28,7 +28,12 @@ from vramshare.domain.tenancy import (
     TenancySettings,
 )
 from vramshare.kube.heartbeat import DEFAULT_CONTROLLER_LEASE, parse_lease_ref
-from vramshare.kube.resources import MEMORY_RESOURCE, is_extended_resource_name, is_object_name
+from vramshare.kube.resources import (
+    MEMORY_RESOURCE,
+    is_extended_resource_name,
+    is_object_name,
+    is_service_name,
+)
 from vramshare.logs import LEVELS
 from vramshare.settings import check_accounting, from_env, invalid
 from vramshare_webhook.delivery import DeliveryMode
@@ -186,6 +191,11 @@ class WebhookSettings:
     a replica not seen renewing for this long is taken to be gone (15 is a good value). 0, the default:
     no Lease, no dealing (each replica breaks ties by its own hashed preference). Off by default
     because it needs the right to write Leases whose names are not known ahead (see the chart)."""
+    replica_service: str = ""
+    """The webhook's own Service, in `namespace`: the pods ready behind it (its EndpointSlices) are
+    the replicas up, among which GPUs that tie are dealt out. Read-only (list and watch
+    EndpointSlices); each replica's `identity` must be its pod's name. The chart sets both. Empty: no
+    dealing this way (see replica_lease_s for replicas not behind a Service)."""
     kubeconfig: str = ""
     """Empty: the in-cluster service account."""
     log_level: str = "info"
@@ -268,6 +278,18 @@ class WebhookSettings:
             raise invalid("near_tie_mib", self.near_tie_mib, "0 or more MiB")
         if self.replica_lease_s != 0 and not 3 <= self.replica_lease_s <= 300:
             raise invalid("replica_lease_s", self.replica_lease_s, "0 (off) or 3 to 300 seconds")
+        if self.replica_service and not is_service_name(self.replica_service):
+            raise invalid(
+                "replica_service",
+                self.replica_service,
+                "empty or a Service name (a DNS-1035 label: a-z, 0-9 and -, 63 at most)",
+            )
+        if self.replica_service and self.replica_lease_s:
+            raise invalid(
+                "replica_lease_s",
+                self.replica_lease_s,
+                "0 while replica_service is set: the replicas up come from one of them, not both",
+            )
         if not 0 <= self.shutdown_delay_s <= 60:
             raise invalid("shutdown_delay_s", self.shutdown_delay_s, "0 to 60 seconds")
         if self.reinvocation_window_s <= 0:

@@ -1,5 +1,14 @@
-"""Each webhook replica keeps a Lease of its own, and follows its peers', so that the replicas up can
-share out GPUs that tie (`vramshare.domain.shards`; issue #31).
+"""Which webhook replicas are up, so that they can share out GPUs that tie (`vramshare.domain.shards`;
+issue #31). Two ways:
+
+- `ReplicaEndpoints` (the chart's default): the ready endpoints of the webhook's own Service, as the
+  EndpointSlice controller writes them, each named by its pod. Read-only: it needs list and watch on
+  EndpointSlices, no write at all, and follows the same readiness the API server routes admission
+  requests by (a replica draining for shutdown is not ready, so its peers take its GPUs at once).
+- `ReplicaLeases` (opt-in, for replicas not behind a Service's endpoints, e.g. run outside the
+  cluster): each replica keeps a Lease of its own, and follows its peers'.
+
+The Leases:
 
 A replica's Lease is `vramshare-webhook-<hash of its identity>` in its namespace, labelled
 `vramshare.io/webhook-replica`, renewed every third of its duration (a write every 5 s per replica by
@@ -37,6 +46,75 @@ def replica_lease_name(identity: str) -> str:
     """The Lease of the replica `identity`: hashed, since an identity (host name and pid, or a pod's
     name) need not be a valid object name."""
     return "vramshare-webhook-" + hashlib.blake2s(identity.encode(), digest_size=6).hexdigest()
+
+
+MAX_REPLICAS = 64
+"""More ready endpoints than this and the deal is left off: shares of one or two GPUs each buy
+nothing, and a Service that large is not vramshare's webhook alone."""
+
+
+def ready_pods(endpoint_slice: Obj) -> frozenset[str]:
+    """The pods named by an EndpointSlice's ready endpoints. `ready` missing counts as ready (the API's
+    rule for consumers that do not know it); endpoints that name no pod, or one whose name is not a
+    valid one, are left out."""
+    out = set()
+    for endpoint in endpoint_slice.get("endpoints") or []:
+        if not isinstance(endpoint, dict):
+            continue
+        if (endpoint.get("conditions") or {}).get("ready") is False:
+            continue
+        target = endpoint.get("targetRef") or {}
+        name = target.get("name")
+        if target.get("kind") == "Pod" and isinstance(name, str) and 0 < len(name) <= MAX_IDENTITY:
+            out.add(name)
+    return frozenset(out)
+
+
+class ReplicaEndpoints:
+    """The replicas up: the pods ready behind the webhook's Service (`service` in `namespace`), from
+    its EndpointSlices (label kubernetes.io/service-name). A replica's identity must be its pod's
+    name (the chart sets VRAMSHARE_IDENTITY from it); a replica that does not find itself among them
+    (not ready yet, or draining) deals nothing and keeps its own hashed order."""
+
+    def __init__(
+        self,
+        kube: KubeClient,
+        *,
+        namespace: str,
+        service: str,
+        on_up: Callable[[int], None] = lambda count: None,
+    ) -> None:
+        self.on_up = on_up
+        """Told how many replicas are up whenever that changes (a gauge)."""
+        self.cache: WatchCache[frozenset[str]] = WatchCache(
+            kube,
+            f"/apis/discovery.k8s.io/v1/namespaces/{namespace}/endpointslices",
+            decode=ready_pods,
+            label_selector=f"kubernetes.io/service-name={service}",
+            name="webhook-endpoints",
+        )
+        self._up: tuple[str, ...] = ()
+        self.cache.on_change(self._observe)
+
+    def up(self) -> tuple[str, ...]:
+        """The replicas up now, in name order; called for every decision."""
+        return self._up
+
+    def _observe(self, *_: object) -> None:
+        # A pod may be listed in two slices for a moment (while the controller moves it): a set.
+        names = tuple(sorted(frozenset().union(*self.cache.items.values())))
+        up = names if len(names) <= MAX_REPLICAS else ()
+        if up != self._up:
+            if len(names) > MAX_REPLICAS:
+                log.warning("too many webhook endpoints to deal ties among", endpoints=len(names))
+            self._up = up
+            self.on_up(len(up))
+
+    async def run(self) -> None:
+        await self.cache.run()
+
+    async def release(self) -> None:
+        """Nothing to give back: the endpoints follow the pod's readiness."""
 
 
 def _renewal(lease: Obj) -> tuple[str, str] | None:

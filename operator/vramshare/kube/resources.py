@@ -74,6 +74,15 @@ def is_object_name(value: object) -> bool:
     return isinstance(value, str) and 0 < len(value) <= 253 and bool(_DNS_SUBDOMAIN.match(value))
 
 
+_DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
+
+
+def is_service_name(value: object) -> bool:
+    """Whether `value` can name a Service (a DNS-1035 label: at most 63 characters of lower-case
+    letters, digits and '-', starting with a letter)."""
+    return isinstance(value, str) and bool(_DNS_LABEL.match(value))
+
+
 _RESOURCE_NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
 
 

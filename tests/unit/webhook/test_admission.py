@@ -406,6 +406,18 @@ def test_settings_from_env_and_their_errors() -> None:
         }
     )
     assert managed.tls_name_list == ("vramshare-webhook.vramshare.svc", "127.0.0.1")
+    service = {"VRAMSHARE_REPLICA_SERVICE": "vramshare-webhook", **TLS_FILES}
+    assert WebhookSettings.from_env(service).replica_service == "vramshare-webhook"
+    with pytest.raises(
+        SettingsError,
+        match=r"VRAMSHARE_REPLICA_SERVICE='Webhook.svc' is not valid: expected empty or a Service",
+    ):
+        WebhookSettings.from_env({"VRAMSHARE_REPLICA_SERVICE": "Webhook.svc", **TLS_FILES})
+    with pytest.raises(
+        SettingsError,
+        match=r"VRAMSHARE_REPLICA_LEASE_S=15.0 is not valid: expected 0 while replica_service is set",
+    ):
+        WebhookSettings.from_env({"VRAMSHARE_REPLICA_LEASE_S": "15", **service})
 
 
 async def test_queue_mode_admits_behind_the_gate_with_a_queued_entry() -> None:
