@@ -333,9 +333,15 @@ def _assemble(
 ) -> list[Sample]:
     """One Sample per UUID: a whole GPU's figures, or a MIG GPU's instances (and their sums)."""
     samples = []
+    # Grouped once: looking each UUID's instances up in all of `chosen` was quadratic (1000 GPUs:
+    # a million steps per poll, issue #31).
+    by_uuid: dict[str, dict[int, _Figures]] = defaultdict(dict)
+    for (u, i), f in chosen.items():
+        if i is not None:
+            by_uuid[u][i] = f
     for uuid in sorted({uuid for uuid, _ in chosen} | set(parts.markers)):
         whole = chosen.get((uuid, None))
-        instances = {i: f for (u, i), f in chosen.items() if u == uuid and i is not None}
+        instances = by_uuid.get(uuid, {})
         profiles = dict(parts.markers.get(uuid, {}))
         for i, f in instances.items():
             profiles.setdefault(i, f.labels.get(INSTANCE_PROFILE, ""))
