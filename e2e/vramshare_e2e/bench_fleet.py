@@ -4,15 +4,19 @@
 one controller and two webhook replicas on one API server, and 10 000 active bookings in the ledger
 (pod-less, so the controller is given a TTL they outlive). Measured, in one run:
 
-- **inventory polls** (the controller's `vramshare_inventory_poll_seconds`): with no GPU changing,
-  then with 10 and then 100 GPUs' used memory changed between two polls; with the GpuDevice status
+- **inventory polls** (the controller's `vramshare_inventory_poll_seconds`, and where its time went
+  by step): with no GPU changing, then with 10 and then 100 GPUs' used memory changed between two
+  polls (within their bookings and the safety margin); with the GpuDevice status
   writes each poll made (`vramshare_gpudevice_status_writes_total`), which should follow the GPUs
   that changed, not the fleet;
 - **admission on that fleet**: 40 GPU pods created one at a time through the webhooks, against 40
   plain pods in the same run, with the webhooks' own time to choose (histogram buckets, as
   `make bench-admission` reports them);
 - **memory**: the resident set of the controller and of each webhook with the fleet and the ledger
-  in their caches.
+  in their caches;
+- **the DCGM reading taken apart**: the controller's query, sent from this process (an interpreter
+  of its own, not the controller's busy one), timed as Prometheus's answer (evaluating, encoding and
+  sending it) and as its parsing into samples, to compare with the poll's `read` step.
 
 Queue placements' writes are bounded by `queue_positions_shown` whatever the queue's length; that is
 measured on the fake API in `tests/unit/controller/test_queue_positions.py`, not here.
@@ -25,7 +29,9 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import statistics
 import time
+import urllib.parse
 import urllib.request
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -34,6 +40,7 @@ from typing import Any
 
 from kubernetes import client, config
 
+from vramshare.dcgm_series import AUTO, promql, samples_from
 from vramshare_e2e.admission_parts import start_mutating_webhook
 from vramshare_e2e.bench_admission import create_pods, decision_quantiles, latency_stats, webhook_metrics
 from vramshare_e2e.bench_controller import mem_mib
@@ -130,6 +137,31 @@ def _polls(port: int, *, polls: int, between: Callable[[], None] | None = None) 
     }
 
 
+def _reading_cost(url: str, *, tries: int = 5) -> dict[str, Any]:
+    """The controller's one query, its answer and its parsing timed apart (medians of `tries`)."""
+    query = promql()
+    answer_s, parse_s, size, series, gpus = [], [], 0, 0, 0
+    for _ in range(tries):
+        at = time.time() - 1.0  # the controller's query_delay_s
+        params = urllib.parse.urlencode({"query": query, "time": f"{at:.3f}"})
+        started = time.perf_counter()
+        with urllib.request.urlopen(f"{url}/api/v1/query?{params}", timeout=30) as resp:
+            body = resp.read()
+        answered = time.perf_counter()
+        result = json.loads(body)["data"]["result"]
+        reading = samples_from(result, node_label=AUTO, evaluated_at=at)
+        answer_s.append(answered - started)
+        parse_s.append(time.perf_counter() - answered)
+        size, series, gpus = len(body), len(result), len(reading.samples)
+    return {
+        "series": series,
+        "bytes": size,
+        "gpus": gpus,
+        "answer_s": round(statistics.median(answer_s), 3),
+        "parse_s": round(statistics.median(parse_s), 3),
+    }
+
+
 def run(*, smoke: bool, out: Path | None, show: Callable[[str], None] = print) -> dict[str, Any]:
     nodes, per_node = (8, 8) if smoke else (125, 8)
     bookings = 500 if smoke else 10_000
@@ -202,15 +234,19 @@ def run(*, smoke: bool, out: Path | None, show: Callable[[str], None] = print) -
         time.sleep(2 * POLL_INTERVAL_S)
         show("polls with nothing changing")
         report["polls_unchanged"] = _polls(metrics_port, polls=3)
-        # Each step moves its GPUs to a figure none of them had: every one of them changes.
+        # Each step moves its GPUs to a figure none of them had: every one of them changes. Within
+        # what the GPU's bookings and the safety margin allow, as pods using the memory they booked
+        # do: above it each changed GPU would also post a MemoryOverused event (2026-12-04's runs
+        # moved them to 2 and 4 GiB, and measured that too).
         for step, changed in enumerate((10, 100) if not smoke else (4, 16), start=1):
             show(f"polls with {changed} GPUs changing")
 
-            def change(count: int = changed, used: int = 2_048 * step) -> None:
+            def change(count: int = changed, used: int = 100 * step) -> None:
                 for _, gpu in fleet[:count]:
                     cluster.exporter.set_used(gpu.uuid, used)
 
             report[f"polls_{changed}_changed"] = _polls(metrics_port, polls=3, between=change)
+        report["reading"] = _reading_cost(cluster.prometheus_url)
         show("admission on the fleet: 40 plain pods, then 40 GPU pods, one at a time")
         create_pods(core, ["gpu-a", "gpu-b"], 4, 1, True, "warm")
         base_lat, base_wall, _ = create_pods(core, ["plain"], 40, 1, False, "fleet-b")
@@ -251,6 +287,11 @@ def summary(report: dict[str, Any]) -> str:
                 f"heartbeat dated {value['heartbeat_confirmed']:.0f} GPUs "
                 f"({value['heartbeat_unconfirmed']:.0f} not); steps s {value['steps_s']}"
             )
+    r = report["reading"]
+    lines.append(
+        f"  the DCGM reading from a quiet interpreter: {r['series']} series, {r['bytes'] / 1e6:.1f} MB; "
+        f"Prometheus's answer {r['answer_s']} s, parsing into {r['gpus']} samples {r['parse_s']} s"
+    )
     adm = report["admission"]
     lines.append(
         f"  admission one at a time: create p50 {adm['vramshare']['p50_ms']} ms vs plain "

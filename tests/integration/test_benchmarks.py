@@ -163,3 +163,7 @@ def test_fleet_smoke(tmp_path: Path) -> None:
     assert sum(report["polls_16_changed"]["status_writes_changed"]) == 16
     assert report["admission"]["errors"] == 0
     assert all(v > 0 for v in report["rss_mib"].values())
+    # The reading taken apart: every GPU parsed, its value and sample-time series both returned.
+    assert report["reading"]["gpus"] == 64
+    assert report["reading"]["series"] >= 2 * 3 * 64
+    assert report["reading"]["answer_s"] > 0

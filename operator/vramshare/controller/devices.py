@@ -13,7 +13,7 @@ import enum
 import hashlib
 import math
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -398,6 +398,9 @@ class InventoryLoop:
         # The heartbeat dates these: their sample times need no write of their own.
         dated = {u for u in candidates if last is not None and last.confirms(u)}
         landed: set[str] = set()
+        on_gpu: dict[str, list[Reservation]] = defaultdict(list)
+        for r in reservations:
+            on_gpu[r.gpu_uuid].append(r)
 
         async def keep(judged: Judged) -> None:
             recorded = by_uuid.get(judged.gpu.uuid)
@@ -407,7 +410,7 @@ class InventoryLoop:
                 elif await self._write_device(
                     judged,
                     recorded,
-                    reservations=reservations,
+                    bookings=on_gpu.get(judged.gpu.uuid, ()),
                     now=now,
                     dated=judged.gpu.uuid in dated,
                 ):
@@ -510,7 +513,7 @@ class InventoryLoop:
         judged: Judged,
         device: GpuDevice | None,
         *,
-        reservations: list[Reservation],
+        bookings: Sequence[Reservation],
         now: float,
         dated: bool = False,
     ) -> bool:
@@ -576,7 +579,7 @@ class InventoryLoop:
         was_over = _overused(previous)
         if judged.overused_mib > 0 and not was_over:
             # Pods, not holds: a hold keeps memory for a task that does not run yet.
-            running = [r for r in reservations if r.is_active and r.gpu_uuid == gpu.uuid and not r.held_for]
+            running = [r for r in bookings if r.is_active and not r.held_for]
             pods = sorted(f"{r.namespace}/{r.pod}" for r in running)
             message = (
                 f"GPU {gpu.label} uses {gpu.used_mib} MiB, {judged.overused_mib} MiB more than its pods' "
