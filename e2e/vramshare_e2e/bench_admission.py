@@ -335,6 +335,7 @@ def admission(
             ),
             pods=pods * 2,
             concurrency=levels[-1],
+            rounds=2 if smoke else NO_GPU_ROUNDS,
             show=show,
         )
         _clean(cluster, spaces)
@@ -360,6 +361,11 @@ def admission(
 
 WARM_UP = 16
 """Pods created untimed before each case of `_no_gpu`."""
+NO_GPU_ROUNDS = 4
+"""Rounds of `_no_gpu`: each case runs once in each of the four positions."""
+CLEANUP_SETTLE_S = 10.0
+"""After a round's pods are gone, before the next round: deleting some 2000 pods keeps the API server
+and kwok busy for a while after the last is gone."""
 
 
 def _no_gpu(
@@ -370,17 +376,21 @@ def _no_gpu(
     *,
     pods: int,
     concurrency: int,
+    rounds: int,
     show: Callable[[str], None],
 ) -> dict[str, Any]:
     """Pods that ask for no GPU memory, at `concurrency`: with no vramshare webhook registered at all
     (the baseline), in a namespace vramshare does not manage, in ones where the webhook hides GPUs from
     them (the chart's second webhook entry answers each), and in ones where the API server hides them
     itself (the chart's MutatingAdmissionPolicy, Kubernetes 1.36+: `in_process_configuration` leaves
-    such pods to it). Each case runs twice, interleaved, in one order and then in the reverse order,
-    and keeps its better run, so a slow moment of this machine is not blamed on one case; each starts
-    `SETTLE_S` after the last case's work. (Always first, right after the cleanup of the case before,
-    the baseline ran slowest: the unmanaged case, which has no work it lacks, measured 0.64-0.78x of
-    it on 2026-12-04, and every ratio against it looked better than it was.)"""
+    such pods to it). The cases run in `rounds` rounds (`NO_GPU_ROUNDS`), each in another rotation of
+    their order, so that every case runs once in every position; each case keeps its best run, so a slow
+    moment of this machine is not blamed on one case. Each case starts `SETTLE_S` after the last one,
+    each round `CLEANUP_SETTLE_S` after the pods of the round before are gone. (Always first, right
+    after the cleanup of the round before, the baseline ran slowest: the unmanaged case, which has no
+    work it lacks, measured 0.64-0.78x of it on 2026-12-04, and every ratio against it looked better
+    than it was. With two rounds in reverse orders, the same case still differed by 1.5x between
+    positions.)"""
     show(
         f"pods asking no GPU, concurrency {concurrency}: no webhook, unmanaged namespace, GPUs hidden by the "
         "webhook, GPUs hidden in the API server"
@@ -442,15 +452,23 @@ def _no_gpu(
         lambda attempt: hidden("hidden", attempt),
         in_process,
     ]
-    for attempt in range(2):
-        for case in cases if attempt == 0 else cases[::-1]:
+    spaces = ["plain", "gpu-a", "gpu-b"]
+    for attempt in range(rounds):
+        for case in cases[attempt % len(cases) :] + cases[: attempt % len(cases)]:
             time.sleep(SETTLE_S)  # the case before has settled (kwok's statuses, events)
             case(attempt)
-        _clean(cluster, ["plain", "gpu-a", "gpu-b"])
+        _clean(cluster, spaces)
+        cluster.wait_for(
+            lambda: not any(cluster.kubectl("get", "pods", "-n", n, "-o", "name").split() for n in spaces),
+            what="the round's pods gone",
+            timeout_s=120,
+        )
+        time.sleep(CLEANUP_SETTLE_S)
     best = {case: min(results, key=lambda r: r["p50_ms"]) for case, results in runs.items()}
     return {
         "concurrency": concurrency,
         "pods": pods,
+        "rounds": rounds,
         **best,
         "unmanaged_vs_no_webhook": _ratios(best["unmanaged"], best["no_webhook"]),
         "hidden_vs_no_webhook": _ratios(best["hidden"], best["no_webhook"]),
