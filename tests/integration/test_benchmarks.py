@@ -96,9 +96,11 @@ def test_admission_smoke(tmp_path: Path) -> None:
             assert cost[case]["api_requests"]["pods/post"] >= 1
             assert cost[case]["cpu_ms"]["kube-apiserver"] > 0
         assert cost["vramshare"]["api_requests"]["gpureservations/post"] >= 1
-        # The controller binds a booking in one write, its status (issue #31: it wrote an
-        # ownerReference as well, 2.05 patches per pod).
-        assert cost["vramshare"]["api_requests"].get("gpureservations/patch", 0) < 1.5
+        # The controller binds a booking in one status write, and writes the status once more when
+        # it bound the pod before it ran (its start time: at this small load, every pod), now and
+        # then after a conflict. It wrote an ownerReference as well before issue #31: three or more
+        # here, 2.05 at concurrency 16 in full (1.04 now).
+        assert cost["vramshare"]["api_requests"].get("gpureservations/patch", 0) < 2.5
         assert "gpureservations/post" not in cost["baseline"]["api_requests"]
         assert cost["vramshare"]["api_requests_total"] > cost["baseline"]["api_requests_total"]
     assert (tmp_path / "admission.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
