@@ -4,11 +4,12 @@
 time, it returns the status to write, the event to post on the pod and whether to delete the
 reservation.
 
+`ReservationReconciler` applies plans: for every reservation on a sweep, and at once for a pod event.
+
 No ownerReference is written (issue #31): it was a second write per admitted pod (status is a
 subresource, so it could not share the Bound status's), and all it did is now done here: a booking
 is deleted once the pod it was bound to is gone, and its finalizer (set at creation) keeps it
-counting until then however it is deleted. `ReservationReconciler` applies plans: for every reservation on a
-sweep, and at once for a pod event.
+counting until then however it is deleted.
 """
 
 from __future__ import annotations
