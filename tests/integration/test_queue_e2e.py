@@ -119,10 +119,14 @@ def reservations(stack: LocalCluster, namespace: str = NS) -> dict[str, dict[str
     return {r["metadata"]["name"]: r for r in items}
 
 
-def headrooms(stack: LocalCluster) -> dict[str, int | None]:
-    """Each GpuDevice's headroom as the controller last published it."""
+def published(stack: LocalCluster, figure: str) -> dict[str, int | None]:
+    """A figure of each GpuDevice's status (headroomMiB, usedMiB) as the controller last published it."""
     items = json.loads(stack.kubectl("get", "gpudevices", "-o", "json"))["items"]
-    return {d["metadata"]["name"]: d.get("status", {}).get("headroomMiB") for d in items}
+    return {d["metadata"]["name"]: d.get("status", {}).get(figure) for d in items}
+
+
+def headrooms(stack: LocalCluster) -> dict[str, int | None]:
+    return published(stack, "headroomMiB")
 
 
 def phase(r: dict[str, Any]) -> str | None:
@@ -527,8 +531,14 @@ def test_refuse_mode_holds_memory_for_a_refused_large_task_until_its_next_try(
     finally:
         fill_every_gpu(stack, used=False)
     # The exporter frees the GPUs one by one, so a scrape can see some free and others full: wait until
-    # the other A100 is seen free (30000 MiB fits there, never on the held one).
+    # the other A100 is seen free (30000 MiB fits there, never on the held one), and the held one too
+    # (its device says so; without that wait its retry below was once refused as still full).
     eventually(lambda: fits_now(core, 30_000), what="the other A100 seen free", timeout_s=30)
+    eventually(
+        lambda: published(stack, "usedMiB")[device_name(held_gpu)] == 0,
+        what="the held A100 seen free",
+        timeout_s=30,
+    )
     # Another large task may not take the held memory: it goes to the other A100 ...
     other = core.create_namespaced_pod(NS, gpu_pod("other-big", 30_000, queue="false", run="60s"))
     assert other.metadata.annotations[ANNOTATION_GPU_UUID] != held_gpu
