@@ -398,9 +398,12 @@ class InventoryLoop:
         # The heartbeat dates these: their sample times need no write of their own.
         dated = {u for u in candidates if last is not None and last.confirms(u)}
         landed: set[str] = set()
+        # Bookings by GPU, only to name an overused GPU's pods: not built on the polls (nearly all)
+        # that find none.
         on_gpu: dict[str, list[Reservation]] = defaultdict(list)
-        for r in reservations:
-            on_gpu[r.gpu_uuid].append(r)
+        if any(j.overused_mib > 0 for j in statuses):
+            for r in reservations:
+                on_gpu[r.gpu_uuid].append(r)
 
         async def keep(judged: Judged) -> None:
             recorded = by_uuid.get(judged.gpu.uuid)

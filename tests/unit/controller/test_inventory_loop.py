@@ -18,7 +18,7 @@ from vramshare.domain import Accounting, freshness
 from vramshare.domain.freshness import InventoryHeartbeat
 from vramshare.domain.inventory import Sample
 from vramshare.kube.objects import GpuDevice
-from vramshare.kube.resources import devices_path
+from vramshare.kube.resources import devices_path, format_time, reservations_path
 from vramshare.prometheus import PrometheusUnavailableError
 
 SAMPLE = Sample(
@@ -114,12 +114,35 @@ async def test_overuse_posts_one_warning_per_episode() -> None:
     now = [NOW + 1]
     source = Source(replace(SAMPLE, used_mib=4_000, free_mib=12_000))
     async with loop(source, now) as (kube, inventory):
+        # A booking of 1000 MiB on it, whose pod the warning names; another GPU's is not named.
+        for name, uuid in (("task-1", "GPU-A"), ("other-1", "GPU-B")):
+            await kube.create(
+                reservations_path("jobs"),
+                {
+                    "metadata": {
+                        "name": name,
+                        "namespace": "jobs",
+                        "creationTimestamp": format_time(NOW - 60),
+                    },
+                    "spec": {
+                        "podName": name,
+                        "memoryMiB": 1_000,
+                        "nodeName": "node-a",
+                        "gpuUUID": uuid,
+                        "gpuIndex": 0,
+                    },
+                    "status": {"phase": "Bound", "podUID": f"uid-{name}"},
+                },
+            )
+        assert await inventory.state.reservations.wait_for(kube.version, timeout_s=2)
         await inventory.poll()
         await inventory.poll()
         events = [o for p, o in kube.objects.items() if "/events/" in p]
         assert len(events) == 1
         assert events[0]["reason"] == "MemoryOverused"
         assert "4000 MiB" in events[0]["message"]
+        assert "(1000 MiB) plus the margin; pods on it: jobs/task-1" in events[0]["message"]
+        assert "other-1" not in events[0]["message"]
         device = GpuDevice.from_wire(kube.objects[devices_path("gpu-a")])
         assert device.status is not None
         over = device.status.condition("MemoryOverused")
