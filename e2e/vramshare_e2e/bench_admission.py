@@ -1,12 +1,14 @@
 """`make bench-admission`: what vramshare adds to pod creation, against a no-webhook baseline measured
 in the same run on the same API server, and how the pure decision grows with the fleet and the ledger.
 
-1. At each concurrency level (1, 16, 64), create pods three times: plain pods in a namespace no
+1. At each concurrency level (1, 4, 16, 64), create pods four times: plain pods in a namespace no
    webhook sees (the baseline), pods through a null TLS webhook that allows at once (the cost of a
-   webhook call itself), and annotated pods through two vramshare replicas (reservations committed).
-   Report p50/p95/p99 create latency and throughput for each, vramshare's ratios against both, the
-   webhooks' own decision latency, conflict retries, consistent reads, API writes per admission, and
-   peak resident memory.
+   webhook call itself), pods through two `one-write` webhooks that each make one durable write per
+   pod, of a copy of the GpuReservation kind, and watch them all (the floor of any design that books
+   in the API server: `vramshare_e2e.admission_parts`), and annotated pods through two vramshare
+   replicas (reservations committed). Report p50/p95/p99 create latency and throughput for each,
+   vramshare's ratios against the baseline, the null webhook and the floor, the webhooks' own decision
+   latency, conflict retries, consistent reads, API writes per admission, and peak resident memory.
 2. Fill the ledger to 10 000 and then 100 000 active reservations and measure pod creation against
    plain pods, the decision, and the webhook's resident memory.
 3. Time `choose()` with headroom as GPUs (8 ... 4096) and active reservations (100 ... 100 000) grow.
@@ -39,7 +41,7 @@ from vramshare.domain import (
     ReservationPhase,
     choose,
 )
-from vramshare_e2e.admission_parts import start_mutating_webhook
+from vramshare_e2e.admission_parts import FLOOR_PLURAL, start_mutating_webhook, start_one_write_webhooks
 from vramshare_e2e.cluster import LocalCluster
 from vramshare_e2e.components import hide_gpus_policy, start_controller, start_webhook, webhook_configuration
 from vramshare_webhook.settings import WebhookSettings
@@ -119,7 +121,16 @@ def api_requests(cluster: LocalCluster) -> dict[str, float]:
 
 
 SETTLE_S = 3.0
-CPU_OF = ("kube-apiserver", "etcd", "webhook-a", "webhook-b", "controller", "kwok")
+CPU_OF = (
+    "kube-apiserver",
+    "etcd",
+    "webhook-a",
+    "webhook-b",
+    "controller",
+    "kwok",
+    "e2e-one-write-0",
+    "e2e-one-write-1",
+)
 
 
 def cpu_seconds(cluster: LocalCluster) -> dict[str, float]:
@@ -248,6 +259,7 @@ def admission(
         registration = webhook_configuration(cluster, ports={"a": ports[0], "b": ports[1]}, as_the_chart=True)
         cluster.apply_objects([registration])
         start_mutating_webhook(cluster, mode="null")
+        start_one_write_webhooks(cluster)
         start_controller(
             cluster,
             name="controller",
@@ -256,6 +268,8 @@ def admission(
         for ns, labels in (
             ("plain", {}),
             ("null", {"e2e.vramshare.io/null": "on"}),
+            ("floor-a", {"e2e.vramshare.io/one-write": "0"}),
+            ("floor-b", {"e2e.vramshare.io/one-write": "1"}),
             ("gpu-a", {"vramshare-e2e/shard": "a"}),
             ("gpu-b", {"vramshare-e2e/shard": "b"}),
         ):
@@ -273,14 +287,18 @@ def admission(
         config.load_kube_config(config_file=str(cluster.kubeconfig), client_configuration=client_config)  # type: ignore[no-untyped-call]
         client_config.connection_pool_maxsize = max(levels)
         core = client.CoreV1Api(client.ApiClient(client_config))
-        spaces = ["plain", "null", "gpu-a", "gpu-b"]
+        spaces = ["plain", "null", *FLOOR_SPACES, "gpu-a", "gpu-b"]
         # Warm up every path (connections, caches).
         create_pods(core, ["plain"], 4, 2, False, "warm")
         create_pods(core, ["null"], 4, 2, False, "warm")
+        create_pods(core, FLOOR_SPACES, 4, 2, False, "warm")
         create_pods(core, ["gpu-a", "gpu-b"], 4, 2, True, "warm")
         _clean(cluster, spaces)
         for level in levels:
-            show(f"concurrency {level}: {pods} plain pods, {pods} through a null webhook, {pods} GPU pods")
+            show(
+                f"concurrency {level}: {pods} plain pods, {pods} through a null webhook, {pods} through "
+                f"one-write webhooks (the floor), {pods} GPU pods"
+            )
             phase = _Phase(cluster)
             base_lat, base_wall, base_err = create_pods(core, ["plain"], pods, level, False, f"b{level}")
             # What follows each pod's creation (scheduling, kwok's status, vramshare's controller binding
@@ -291,15 +309,22 @@ def admission(
             null_lat, null_wall, null_err = create_pods(core, ["null"], pods, level, False, f"n{level}")
             time.sleep(SETTLE_S)
             cost["null_webhook"] = phase.per_pod(pods)
+            phase = _Phase(cluster)
+            floor_lat, floor_wall, floor_err = create_pods(
+                core, FLOOR_SPACES, pods, level, False, f"f{level}"
+            )
+            time.sleep(SETTLE_S)
+            cost["one_write_floor"] = phase.per_pod(pods)
             before = webhook_metrics(ports)
             phase = _Phase(cluster)
             vs_lat, vs_wall, vs_err = create_pods(core, ["gpu-a", "gpu-b"], pods, level, True, f"v{level}")
             time.sleep(SETTLE_S)
             cost["vramshare"] = phase.per_pod(pods)
             after = webhook_metrics(ports)
-            base, null, vs = (
+            base, null, floor, vs = (
                 latency_stats(base_lat, base_wall),
                 latency_stats(null_lat, null_wall),
+                latency_stats(floor_lat, floor_wall),
                 latency_stats(vs_lat, vs_wall),
             )
             admitted = pods - vs_err
@@ -307,10 +332,18 @@ def admission(
             result["levels"][str(level)] = {
                 "baseline": base,
                 "null_webhook": null,
+                "one_write_floor": floor,
                 "vramshare": vs,
                 **_ratios(vs, base),
                 "against_null_webhook": _ratios(vs, null),
-                "errors": {"baseline": base_err, "null_webhook": null_err, "vramshare": vs_err},
+                "floor_vs_baseline": _ratios(floor, base),
+                "against_floor": _ratios(vs, floor),
+                "errors": {
+                    "baseline": base_err,
+                    "null_webhook": null_err,
+                    "one_write_floor": floor_err,
+                    "vramshare": vs_err,
+                },
                 "webhook_decision": decision_quantiles(before, after),
                 "webhook_choose": decision_quantiles(before, after, "choose"),
                 "webhook_commit": decision_quantiles(before, after, "commit"),
@@ -325,6 +358,7 @@ def admission(
                 "cost_per_pod": cost,
             }
             _clean(cluster, spaces)
+            cluster.kubectl("delete", FLOOR_PLURAL, "--all", "-A", "--wait=false")
             time.sleep(2)
         result["no_gpu"] = _no_gpu(
             cluster,
@@ -358,6 +392,9 @@ def admission(
             made = count
     return result
 
+
+FLOOR_SPACES = ["floor-a", "floor-b"]
+"""The one-write floor's namespaces, one per replica (as vramshare's gpu-a and gpu-b)."""
 
 WARM_UP = 16
 """Pods created untimed before each case of `_no_gpu`."""
@@ -645,7 +682,8 @@ def run(
 
 
 def chart(report: dict[str, Any], path: Path) -> None:
-    """Pod creation latency (p50 and p99) against concurrency: plain, null webhook, vramshare."""
+    """Pod creation latency (p50 and p99) against concurrency: plain, null webhook, the one-write
+    floor, vramshare."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -658,6 +696,7 @@ def chart(report: dict[str, Any], path: Path) -> None:
         for case, label, colour in (
             ("baseline", "plain pod (no webhook called)", "#495057"),
             ("null_webhook", "null webhook (TLS round trip, no work)", "#1971c2"),
+            ("one_write_floor", "one-write webhook (the floor: one booking, watched)", "#e8590c"),
             ("vramshare", "vramshare (decide + commit)", "#2b8a3e"),
         ):
             ax.plot(
@@ -674,6 +713,10 @@ def chart(report: dict[str, Any], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _ratio_text(ratios: dict[str, float]) -> str:
+    return f"{ratios['ratio_p50']:.2f}x / {ratios['ratio_p99']:.2f}x / {ratios['throughput_ratio']:.2f}x"
 
 
 def summary(report: dict[str, Any]) -> str:
@@ -694,6 +737,12 @@ def summary(report: dict[str, Any]) -> str:
             f"<={d['p50_ms_at_most']:>5.1f}/<={d['p99_ms_at_most']:>5.1f}ms  "
             f"{r['api_writes_per_admission']!s:>10}  {r['conflicts_retried']:>9.0f}  "
             f"{r.get('commits_rebased', 0):>7.0f}"
+        )
+        f = r["one_write_floor"]
+        lines.append(
+            f"      one-write floor: p50 {f['p50_ms']:.1f} ms, p99 {f['p99_ms']:.1f} ms, "
+            f"{f['pods_per_s']:.1f} pods/s ({_ratio_text(r['floor_vs_baseline'])} plain); "
+            f"vramshare against it {_ratio_text(r['against_floor'])} (p50 / p99 / throughput)"
         )
         c, w = r["webhook_choose"], r["webhook_commit"]
         lines.append(

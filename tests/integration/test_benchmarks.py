@@ -71,11 +71,14 @@ def test_admission_smoke(tmp_path: Path) -> None:
     assert json.loads((tmp_path / "admission.json").read_text()) == report
     assert set(report["levels"]) == {"1", "4"}
     for level in report["levels"].values():
-        for side in ("baseline", "null_webhook", "vramshare"):
+        for side in ("baseline", "null_webhook", "one_write_floor", "vramshare"):
             s = level[side]
             assert 0 < s["p50_ms"] <= s["p95_ms"] <= s["p99_ms"]
             assert s["pods_per_s"] > 0
-        assert level["errors"] == {"baseline": 0, "null_webhook": 0, "vramshare": 0}
+        assert level["errors"] == {"baseline": 0, "null_webhook": 0, "one_write_floor": 0, "vramshare": 0}
+        assert level["against_floor"]["ratio_p50"] == round(
+            level["vramshare"]["p50_ms"] / level["one_write_floor"]["p50_ms"], 2
+        )
         assert level["ratio_p50"] == round(level["vramshare"]["p50_ms"] / level["baseline"]["p50_ms"], 2)
         assert level["against_null_webhook"]["ratio_p50"] == round(
             level["vramshare"]["p50_ms"] / level["null_webhook"]["p50_ms"], 2
@@ -96,6 +99,13 @@ def test_admission_smoke(tmp_path: Path) -> None:
             assert cost[case]["api_requests"]["pods/post"] >= 1
             assert cost[case]["cpu_ms"]["kube-apiserver"] > 0
         assert cost["vramshare"]["api_requests"]["gpureservations/post"] >= 1
+        # The floor made its one write per pod, of its own kind (no GpuReservation), and its webhooks
+        # did the work (their CPU is counted).
+        assert cost["one_write_floor"]["api_requests"]["floorbookings/post"] == 1
+        assert "gpureservations/post" not in cost["one_write_floor"]["api_requests"]
+        assert cost["one_write_floor"]["cpu_ms"]["e2e-one-write-0"] > 0
+        # No GET of the pod's name: the benchmark's names are new, and no booking names them (#31).
+        assert "pods/get" not in cost["vramshare"]["api_requests"]
         # The controller binds a booking in one status write, and writes the status once more when
         # it bound the pod before it ran (its start time: at this small load, every pod), now and
         # then after a conflict. It wrote an ownerReference as well before issue #31: three or more
