@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from kubernetes import client, config
+from kubernetes.utils import parse_quantity
 
 from vramshare.domain import (
     AllocationRequest,
@@ -232,6 +233,33 @@ def _ratios(row: dict[str, float], against: dict[str, float]) -> dict[str, float
     }
 
 
+PODS_PER_NODE = 2000
+"""Room on each of the two nodes for a level's four phases (4 x 244 pods) and a round of the no-GPU
+cases (4 x 496) at once."""
+
+
+def _room_for_every_phase(cluster: LocalCluster, *, pods: int) -> None:
+    """Let the nodes hold every pod of a level (its four phases and their warm-up) and of a no-GPU
+    round, so that each phase's pods are scheduled and run. With the test cluster's 250 pods per node,
+    the two nodes were full after the plain and null phases, and the later phases' pods stayed
+    Pending, unschedulable (until 2026-12-05: vramshare's phase paid a failed scheduling attempt where
+    the plain one paid a binding and kwok's status, and was not like for like with it)."""
+    per_node = str(pods)
+    for node in cluster.kubectl("get", "nodes", "-o", "name").split():
+        room = {"capacity": {"pods": per_node}, "allocatable": {"pods": per_node}}
+        cluster.kubectl(
+            "patch", node, "--subresource=status", "--type=merge", "-p", json.dumps({"status": room})
+        )
+    cluster.wait_for(  # as a quantity: the API server writes 2000 as "2k"
+        lambda: all(
+            parse_quantity(n["status"]["allocatable"]["pods"]) == pods  # type: ignore[no-untyped-call]
+            for n in json.loads(cluster.kubectl("get", "nodes", "-o", "json"))["items"]
+        ),
+        what=f"room for {per_node} pods on every node",
+        timeout_s=30,
+    )
+
+
 def _writes(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     out: dict[str, float] = {}
     for key, value in after.items():
@@ -281,6 +309,7 @@ def admission(
             what="the inventory",
             timeout_s=30,
         )
+        _room_for_every_phase(cluster, pods=PODS_PER_NODE)
         # One connection per client thread: with the client's default pool of 10, the threads past 10
         # opened a fresh TLS connection per pod, a cost of the benchmark's own, not of admission.
         client_config = client.Configuration()
