@@ -100,6 +100,8 @@ class Plan:
     removed from a deleted one once it has ended, which lets it go."""
     deletion_waits: bool = False
     """It was deleted while its pod may still hold the memory: it stays, and counts, until then."""
+    bind_at: float | None = None
+    """Binding waits for its pod to run until then (see `_binds_later`); nothing is written now."""
 
     @property
     def empty(self) -> bool:
@@ -172,8 +174,13 @@ def plan(
     ttl_s: float,
     retention_s: float,
     hold_limit_s: float = float("inf"),
+    bind_wait_s: float = 0.0,
+    pod_deleted: bool = False,
 ) -> Plan:
+    """What to write for `res` now. `pod_deleted`: its pod's deletion was just seen (it may have gone
+    before its booking was bound: see `bind_wait_s`)."""
     current = res.status
+    seen = bool(current.pod_uid) or pod_deleted
     status = current
     if current.phase is not res.phase:
         # Make the implicit phase visible to kubectl: Reserved when just committed or placed, Queued
@@ -185,9 +192,11 @@ def plan(
         gpu_missing=gpu_missing,
         age_s=now - (res.meta.created_at or 0.0),
         ttl_s=ttl_s,
-        seen=bool(current.pod_uid),
+        seen=seen,
         hold_limit_s=hold_limit_s,
     )
+    if pod is not None and _binds_later(transition, pod, now=now, bind_wait_s=bind_wait_s):
+        return Plan(bind_at=pod.created_at + bind_wait_s)
     # Open (queued or holding memory): its pod is recorded.
     active_after = transition.phase.is_open if transition is not None else res.phase.is_open
     if pod is not None and active_after:
@@ -211,7 +220,7 @@ def plan(
     delete = False
     # The pod it was bound to is gone (deleted now, or after it finished): it goes at once, as it
     # went through an ownerReference before.
-    pod_gone = pod is None and bool(current.pod_uid)
+    pod_gone = pod is None and seen
     if not active_after and (transition is None or pod_gone):
         finished = current.finished_at if current.finished_at is not None else (res.meta.created_at or 0.0)
         delete = due_for_cleanup(
@@ -235,6 +244,22 @@ def plan(
         delete=delete,
         active_label=label,
         finalizer="add" if missing else None,
+    )
+
+
+def _binds_later(
+    transition: Transition | None, pod: PodSighting | None, *, now: float, bind_wait_s: float
+) -> bool:
+    """Whether binding waits: its pod has not run yet and was created less than `bind_wait_s` ago. Its
+    start comes with the next pod event, and one status write then says both (issue #31: binding at
+    first sight, then recording the start, was two writes for nearly every pod)."""
+    return (
+        bind_wait_s > 0
+        and transition is not None
+        and transition.reason == "PodBound"
+        and pod is not None
+        and pod.running_since is None
+        and now - pod.created_at < bind_wait_s
     )
 
 
@@ -279,6 +304,8 @@ class ReservationReconciler:
         self.state = state
         self.clock = clock
         self._deadlines: dict[tuple[str, str], asyncio.TimerHandle] = {}
+        self._binds: dict[tuple[str, str], asyncio.TimerHandle] = {}
+        """Bookings whose binding waits for their pod to run, with the look due when it waits no more."""
         self._checks: set[asyncio.Task[None]] = set()
         self._announced: set[tuple[str, str]] = set()
         self._stuck: dict[str, str] = {}
@@ -295,9 +322,10 @@ class ReservationReconciler:
                     log.warning("reservation sweep failed", error=str(exc))
                 await asyncio.sleep(self.settings.lifecycle_interval_s)
         finally:
-            for handle in self._deadlines.values():
+            for handle in (*self._deadlines.values(), *self._binds.values()):
                 handle.cancel()
             self._deadlines.clear()
+            self._binds.clear()
 
     async def sweep(self, *, presence: GpuPresence) -> int:
         """Check every reservation against its pod, from the watch caches; returns how many changed.
@@ -345,7 +373,7 @@ class ReservationReconciler:
                 if not deleted:
                     await self._announce_impostor(member, sighting, now=self.clock())
                 continue  # another pod's event says nothing about this reservation's own pod
-            await self.reconcile(member, [] if deleted else [pod], presence=presence)
+            await self.reconcile(member, [] if deleted else [pod], presence=presence, pod_deleted=deleted)
 
     def reservation_changed(self, res: GpuReservation, *, presence: Callable[[], GpuPresence]) -> None:
         """A reservation was created or changed: while it waits for its pod, look again at its TTL, so
@@ -376,6 +404,31 @@ class ReservationReconciler:
             self._spawn(self._look_again(key, presence()))
 
         self._deadlines[key] = loop.call_later(delay, due)
+
+    def _bind_later(
+        self, res: GpuReservation, pod: PodSighting, *, at: float, now: float, presence: GpuPresence
+    ) -> None:
+        """Look at `res` again when its binding waits no more, from the watch caches (no read): by then
+        the pod's next event has usually bound it, and the look finds nothing to do."""
+        key = (res.namespace, res.name)
+        if key in self._binds:
+            return
+
+        def due() -> None:
+            self._binds.pop(key, None)
+            current = self.state.reservations.items.get(f"{key[0]}/{key[1]}")
+            seen = self.state.pods.items.get(f"{res.namespace}/{pod.name}")
+            if current is None or current.status.pod_uid:
+                return  # gone, or bound meanwhile
+            self._spawn(self._reconcile_quietly(current, [seen] if seen is not None else [], presence))
+
+        self._binds[key] = asyncio.get_running_loop().call_later(max(0.0, at - now) + 0.1, due)
+
+    async def _reconcile_quietly(self, res: GpuReservation, pods: list[Obj], presence: GpuPresence) -> None:
+        try:
+            await self.reconcile(res, pods, presence=presence, confirm_absence=True)
+        except Exception as exc:  # the sweep catches it later
+            log.warning("reservation check failed", reservation=res.key, error=str(exc))
 
     def _spawn(self, check: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(check)
@@ -414,6 +467,7 @@ class ReservationReconciler:
         *,
         presence: GpuPresence,
         confirm_absence: bool = False,
+        pod_deleted: bool = False,
     ) -> bool:
         """Move `res` on, given the pods that carry its label (its own, and any impostors). With
         `confirm_absence` (the pods came from a cache), a transition for want of its pod is taken only
@@ -432,7 +486,11 @@ class ReservationReconciler:
             ttl_s=self.settings.reservation_ttl_s,
             retention_s=self.settings.retention_s,
             hold_limit_s=self.settings.hold_limit_s,
+            bind_wait_s=self.settings.bind_wait_s,
+            pod_deleted=pod_deleted,
         )
+        if the_plan.bind_at is not None and pod is not None:
+            self._bind_later(res, pod, at=the_plan.bind_at, now=now, presence=presence)
         if the_plan.deletion_waits:
             await self._announce_deletion_wait(res, pod, now=now)
         if the_plan.empty:

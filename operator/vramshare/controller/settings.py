@@ -65,6 +65,11 @@ class ControllerSettings:
     """A Reserved reservation whose pod has not appeared by then expires: the pod was rejected after
     vramshare admitted it. Keep it above the webhooks' timeouts; a pod that appears later still gets
     its booking back."""
+    bind_wait_s: float = 5.0
+    """A booking whose pod is seen before it runs is bound once it runs, or this long after the pod was
+    created, whichever comes first: one status write (Bound with the start time) for a pod that starts
+    within it, where binding at first sight wrote twice (issue #31). 0: bind at first sight. Below the
+    reservation TTL."""
     retention_s: float = 3600.0
     """Released, Expired and Lost reservations are deleted this long after they ended."""
     lifecycle_interval_s: float = 10.0
@@ -205,6 +210,12 @@ class ControllerSettings:
         ):
             if getattr(self, name) <= 0:
                 raise invalid(name, getattr(self, name), "a positive number of seconds")
+        if not 0 <= self.bind_wait_s < self.reservation_ttl_s:
+            raise invalid(
+                "bind_wait_s",
+                self.bind_wait_s,
+                f"0 or more seconds, below reservation_ttl_s ({self.reservation_ttl_s:g})",
+            )
         if self.queue_positions_shown < 1:
             raise invalid("queue_positions_shown", self.queue_positions_shown, "a whole number of 1 or more")
         if self.delivery_mode not in MODES:

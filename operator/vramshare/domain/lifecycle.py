@@ -58,7 +58,8 @@ def next_phase(
     """The transition a reservation takes now, or None when it stays where it is.
 
     `age_s` is the time since the reservation was committed; `ttl_s` how long a Reserved reservation
-    may wait for its pod. `seen`: its pod was seen once (a Queued entry whose pod is gone left the queue).
+    may wait for its pod. `seen`: its pod was seen once (a Queued entry whose pod is gone left the queue;
+    a Reserved booking whose pod was deleted before it was bound is released, not expired).
     `hold_limit_s`: how long a hold lasts.
     """
     if phase is ReservationPhase.EXPIRED:
@@ -94,6 +95,10 @@ def next_phase(
     if phase is ReservationPhase.RESERVED:
         if pod is PodState.ACTIVE:
             return Transition(phase=ReservationPhase.BOUND, reason="PodBound", message="its pod exists")
+        if seen:  # deleted before its booking was bound (binding waits for the pod to run)
+            return Transition(
+                phase=ReservationPhase.RELEASED, reason="PodDeleted", message="its pod was deleted"
+            )
         return _never_created(ttl_s, "admitted") if age_s >= ttl_s else None
     if pod is PodState.ABSENT:
         return Transition(phase=ReservationPhase.RELEASED, reason="PodDeleted", message="its pod was deleted")

@@ -25,8 +25,9 @@ PATH = reservations_path("jobs", "task-ab12")
 
 @contextlib.asynccontextmanager
 async def setup(
-    *, ttl_s: float = 20.0, now: list[float] | None = None
+    *, ttl_s: float = 20.0, now: list[float] | None = None, bind_wait_s: float = 0.0
 ) -> AsyncIterator[tuple[FakeKube, ReservationReconciler]]:
+    """A reconciler and one booking; binding at first sight unless `bind_wait_s` says otherwise."""
     clock = now or [NOW]
     kube = FakeKube(clock=lambda: clock[0])
     booking = GpuReservation.new(
@@ -36,7 +37,7 @@ async def setup(
     async with fed_state(kube) as state:
         reconciler = ReservationReconciler(
             kube=kube,  # type: ignore[arg-type]
-            settings=ControllerSettings(reservation_ttl_s=ttl_s, identity="test"),
+            settings=ControllerSettings(reservation_ttl_s=ttl_s, identity="test", bind_wait_s=bind_wait_s),
             metrics=ControllerMetrics(),
             state=state,
             clock=lambda: clock[0],
@@ -275,3 +276,77 @@ async def test_cleanup_after_retention_removes_the_finalizer_and_deletes() -> No
         await fed()
         await reconciler.sweep(presence=PRESENT)
         assert PATH not in kube.objects
+
+
+async def add_pending_pod(kube: FakeKube, name: str, *, created: float) -> dict[str, Any]:
+    """A pod that exists and has not run yet (no container started)."""
+    await add_pod(kube, name, created=created)
+    path = f"/api/v1/namespaces/jobs/pods/{name}/status"
+    return await kube.merge_patch(path, {"status": {"phase": "Pending"}})
+
+
+async def started(kube: FakeKube, name: str, *, at: float) -> dict[str, Any]:
+    running = {"running": {"startedAt": format_time(at)}}
+    return await kube.merge_patch(
+        f"/api/v1/namespaces/jobs/pods/{name}/status",
+        {"status": {"phase": "Running", "containerStatuses": [{"name": "c", "state": running}]}},
+    )
+
+
+def status_writes(kube: FakeKube) -> int:
+    return sum(op == "merge_patch" and path == f"{PATH}/status" for op, path in kube.calls)
+
+
+async def test_a_pod_seen_before_it_runs_is_bound_once_it_runs_in_one_write() -> None:
+    """Issue #31: binding at first sight, then recording the start, was two writes for nearly every
+    pod. Within bind_wait_s of its creation, the pod's start comes first and one write says both."""
+    clock = [NOW]
+    async with setup(now=clock, bind_wait_s=5.0) as (kube, reconciler):
+        pending = await add_pending_pod(kube, "task", created=NOW)
+        await fed()
+        await reconciler.pod_changed(pending, deleted=False, presence=PRESENT)
+        assert status_writes(kube) == 0  # it waits for the pod to run
+        clock[0] = NOW + 1
+        running = await started(kube, "task", at=NOW + 1)
+        await fed()
+        await reconciler.pod_changed(running, deleted=False, presence=PRESENT)
+        assert (status(kube)["phase"], status(kube)["podUID"]) == ("Bound", "uid-task")
+        assert status(kube)["podRunningSince"] == format_time(NOW + 1)
+        assert status_writes(kube) == 1
+
+
+async def test_a_pod_that_does_not_run_within_the_wait_is_bound_when_it_ends() -> None:
+    """A pod that waits longer (an image pull, a full node) is bound when the wait is over, from the
+    caches, before the TTL could take it for a pod that never came."""
+    clock = [NOW]
+    async with setup(now=clock, bind_wait_s=0.2, ttl_s=20.0) as (kube, reconciler):
+        pending = await add_pending_pod(kube, "task", created=NOW)
+        await fed()
+        await reconciler.pod_changed(pending, deleted=False, presence=PRESENT)
+        assert status_writes(kube) == 0
+        clock[0] = NOW + 0.25
+        for _ in range(100):
+            if status(kube).get("phase") == "Bound":
+                break
+            await asyncio.sleep(0.01)
+        assert (status(kube)["phase"], status(kube)["podUID"]) == ("Bound", "uid-task")
+        assert "podRunningSince" not in status(kube)
+        assert status_writes(kube) == 1
+
+
+async def test_a_pod_deleted_before_its_booking_was_bound_releases_it() -> None:
+    """Not Expired/PodNeverCreated (its pod did exist), and it goes at once, as a bound one would."""
+    clock = [NOW]
+    async with setup(now=clock, bind_wait_s=5.0) as (kube, reconciler):
+        pending = await add_pending_pod(kube, "task", created=NOW)
+        await fed()
+        await reconciler.pod_changed(pending, deleted=False, presence=PRESENT)
+        await kube.delete("/api/v1/namespaces/jobs/pods/task")
+        await fed()
+        await reconciler.pod_changed(pending, deleted=True, presence=PRESENT)
+        for _ in range(100):
+            if PATH not in kube.objects:
+                break
+            await asyncio.sleep(0.01)
+        assert PATH not in kube.objects
+        assert not [e for e in events(kube) if e["reason"] == "PodNeverCreated"]

@@ -208,3 +208,17 @@ def test_each_booking_of_a_pod_with_several_gpus_belongs_to_it() -> None:
     assert genuine_pod(second, [pod], bound_uid=None) == (pod, [])
     elsewhere = reservation(4_096, name="x", pod="task", gpu_uuid="GPU-c")
     assert genuine_pod(elsewhere, [pod], bound_uid=None) == (None, [pod])
+
+
+def test_a_reserved_booking_whose_pod_was_seen_and_is_gone_is_released_not_expired() -> None:
+    """Binding waits for the pod to run (bind_wait_s): a pod deleted meanwhile did exist, so its
+    booking is released (PodDeleted), at once and not at the TTL as one whose pod never came."""
+    gone = next_phase(
+        phase=ReservationPhase.RESERVED, pod=PodState.ABSENT, gpu_missing=False, age_s=1, ttl_s=20, seen=True
+    )
+    assert gone is not None
+    assert (gone.phase, gone.reason) == (ReservationPhase.RELEASED, "PodDeleted")
+    never = next_phase(
+        phase=ReservationPhase.RESERVED, pod=PodState.ABSENT, gpu_missing=False, age_s=1, ttl_s=20
+    )
+    assert never is None
