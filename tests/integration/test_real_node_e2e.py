@@ -751,10 +751,19 @@ def test_deleting_the_leading_controller_pod_hands_the_lease_to_the_other(stack:
     others = {p.metadata.name for p in stack.pods("controller")} - {leader}
     started = time.monotonic()
     stack.core.delete_namespaced_pod(leader, NS)
+
+    def why() -> str:
+        logs = {
+            name: stack.cluster.kubectl("logs", "-n", NS, name, "--tail=30", check=False)
+            for name in (p.metadata.name for p in stack.pods("controller"))
+        }
+        return f"{stack.leader()!r} {others!r} {stack.pods_report()} {logs}"
+
     new_leader = eventually(
         lambda: (holder := stack.leader()) in others and holder,
         what="the other controller leading",
         timeout_s=60,
+        detail=why,
     )
     handover = time.monotonic() - started
     print(f"\nleading controller pod deleted: {new_leader} took the Lease {handover:.1f} s later")

@@ -5,6 +5,7 @@
     Queued --no pod within the TTL--> Expired
     Held --its task was admitted (the webhook deletes it) or the hold limit passed--> Expired
     Reserved --its pod exists--> Bound --its pod finished or was deleted--> Released
+    Reserved --its pod was seen, and deleted before it was bound--> Released
     Reserved --no pod within the TTL--> Expired --its pod appears after all--> Bound
     Bound --its GPU is missing--> Lost --the GPU is back--> Bound
     Lost --its pod finished or was deleted--> Released
@@ -17,7 +18,9 @@ it: a quota, a policy, a name already taken, or the API server giving up on the 
 short, so such bookings stop counting quickly. If the pod does appear late, the booking counts again
 rather than leave a running pod unbooked.
 
-Released and Expired are ended; the controller deletes them after a retention period.
+When a pod that exists is bound is the controller's choice (it waits briefly for the pod to run, so
+that one write records both: `vramshare.controller.reservations`). Released and Expired are ended;
+the controller deletes them after a retention period.
 """
 
 from __future__ import annotations

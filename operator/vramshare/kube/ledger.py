@@ -92,7 +92,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import Counter
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
@@ -246,8 +245,6 @@ class KubeLedger:
         """The reservations cache summed per GPU, kept in step with every change to it."""
         self.releases = ReleaseLog()
         """Memory freed by pods that ran, lately: when a refused request may expect room."""
-        self._pods_named: Counter[tuple[str, str]] = Counter()
-        """(namespace, pod name) -> how many bookings in the view name that pod (see `pod_name_taken`)."""
         self.reservations.on_change(self._changed)
         self._devices: dict[str, _DeviceView] = {}
         """Device key -> what a decision needs of it, converted once per version (not per decision:
@@ -276,14 +273,7 @@ class KubeLedger:
         self.consistent_reads = 0
         self.catch_up_waits = 0
 
-    def _changed(self, key: str, reservation: Reservation | None, previous: Reservation | None) -> None:
-        if previous is not None:
-            named = (previous.namespace, previous.pod)
-            self._pods_named[named] -= 1
-            if self._pods_named[named] <= 0:
-                del self._pods_named[named]
-        if reservation is not None:
-            self._pods_named[(reservation.namespace, reservation.pod)] += 1
+    def _changed(self, key: str, reservation: Reservation | None, _previous: Reservation | None) -> None:
         before = self.index.get(key)
         self.index.put(key, reservation)
         ended = reservation is None or not reservation.is_active
@@ -472,20 +462,11 @@ class KubeLedger:
             current = await self.get_reservation(reservation.namespace, reservation.name)
         return False
 
-    async def pod_name_taken(self, namespace: str, name: str) -> bool:
-        """Whether a pod of that name already exists, so that its create will fail (AlreadyExists).
-
-        Looked up (a GET) only where a booking in this process's view names that pod, or the view is
-        not live: a pod with a booking (one that runs, or one whose create already failed and left a
-        booking until its TTL) is found; a name no booking names is taken as free without a read
-        (issue #31: that GET was one more request, and one more round trip, on every admission). What
-        that misses is a pod without a booking (one that asks no GPU, or whose booking ended): its
-        duplicate gets one booking that ends at the TTL, as before this check existed, and a loop of
-        such creates is caught from its second try on, when the first one's booking names the pod.
-        The GET is served from the API server's watch cache, not etcd: it may miss a pod created in
-        the last moment, with the same outcome."""
-        if self.live and (namespace, name) not in self._pods_named:
-            return False
+    async def pod_exists(self, namespace: str, name: str) -> bool:
+        """Whether a pod of that name exists (a GET, cheap beside a pod cache). Served from the API
+        server's watch cache, not etcd (issue #31: one read of etcd less per admission): it may miss
+        a pod created in the last moment, whose duplicate then gets a booking that ends at the TTL,
+        as before this check; a loop of such creates is caught from its second try on."""
         try:
             await self.kube.get(pod_path(namespace, name), resource_version="0")
         except ApiError as exc:

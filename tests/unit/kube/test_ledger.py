@@ -278,36 +278,6 @@ async def test_pod_carries_reads_pods_by_the_reservation_label() -> None:
     assert not await ledger.pod_carries("jobs", "task-2")
 
 
-async def test_a_pods_name_is_looked_up_only_where_a_booking_names_it(
-    running: tuple[FakeKube, KubeLedger],
-) -> None:
-    """Issue #31: no GET of the pod's name on every admission. A name that no booking in the view
-    names is taken as free without a read, even where a plain pod holds it (its duplicate is caught
-    from its second try, once the first one's booking names the pod); a name a booking names is read."""
-    kube, ledger = running
-    await kube.create("/api/v1/namespaces/jobs/pods", {"metadata": {"name": "task"}})
-
-    def gets() -> int:
-        return sum(op == "get" and "/pods/" in path for op, path in kube.calls)
-
-    assert not await ledger.pod_name_taken("jobs", "task")
-    assert gets() == 0
-    snap = await ledger.snapshot()
-    await ledger.commit(reservation=booking(), token=snap.tokens[GPU.uuid])  # names pod "task"
-    await settle()
-    assert await ledger.pod_name_taken("jobs", "task")
-    assert not await ledger.pod_name_taken("other", "task")  # another namespace's pod of that name
-    assert gets() == 1
-    await kube.delete("/api/v1/namespaces/jobs/pods/task")
-    assert not await ledger.pod_name_taken("jobs", "task")  # named, looked up, and gone
-    assert gets() == 2
-    # Once no booking names it (ended: labelled inactive), the name is free again without a read.
-    await kube.merge_patch(reservations(kube)[0], {"metadata": {"labels": {"vramshare.io/active": "false"}}})
-    await settle()
-    assert not await ledger.pod_name_taken("jobs", "task")
-    assert gets() == 2
-
-
 async def test_a_claim_survives_an_unrelated_change_landing_first() -> None:
     """The committed label lands after the pass read the booking: the claim is retried, not lost."""
     kube = await cluster()

@@ -69,7 +69,7 @@ class MemoryLedger:
     async def pod_carries(self, namespace: str, reservation: str) -> bool:
         return reservation in self.carried
 
-    async def pod_name_taken(self, namespace: str, name: str) -> bool:
+    async def pod_exists(self, namespace: str, name: str) -> bool:
         return name in self.pods
 
     async def pod_labels(self, namespace: str) -> set[str]:
