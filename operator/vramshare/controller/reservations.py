@@ -247,9 +247,7 @@ def plan(
     )
 
 
-def _binds_later(
-    transition: Transition | None, pod: PodSighting | None, *, now: float, bind_wait_s: float
-) -> bool:
+def _binds_later(transition: Transition | None, pod: PodSighting, *, now: float, bind_wait_s: float) -> bool:
     """Whether binding waits: its pod has not run yet and was created less than `bind_wait_s` ago. Its
     start comes with the next pod event, and one status write then says both (issue #31: binding at
     first sight, then recording the start, was two writes for nearly every pod)."""
@@ -257,7 +255,6 @@ def _binds_later(
         bind_wait_s > 0
         and transition is not None
         and transition.reason == "PodBound"
-        and pod is not None
         and pod.running_since is None
         and now - pod.created_at < bind_wait_s
     )
