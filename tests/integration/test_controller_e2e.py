@@ -179,6 +179,28 @@ def test_deleting_the_pod_deletes_its_reservation(stack: LocalCluster, core: cli
     )
 
 
+def test_a_pod_deleted_at_once_releases_its_booking_at_once(
+    stack: LocalCluster, core: client.CoreV1Api
+) -> None:
+    """The controller binds a booking when its pod runs (or bind_wait_s after it was created): a pod
+    deleted before that, as here, right after its creation, did exist, so its booking is released
+    and deleted at once, not expired as a pod that never came (TTL 6 s here, then kept an hour)."""
+    pod = core.create_namespaced_pod("jobs", gpu_pod("gone-at-once", 1000))
+    core.delete_namespaced_pod("gone-at-once", "jobs", grace_period_seconds=0)
+    name = pod.metadata.annotations[ANNOTATION_RESERVATION]
+    eventually(
+        lambda: "NotFound" in stack.kubectl("get", "gpureservation", name, "-n", "jobs", check=False),
+        what="the controller deleting the booking",
+        timeout_s=15,
+    )
+    never = [
+        e
+        for e in core.list_namespaced_event("jobs").items
+        if e.reason == "PodNeverCreated" and e.involved_object.name == name
+    ]
+    assert never == []
+
+
 def test_orphan_reservation_expires_after_the_ttl(stack: LocalCluster) -> None:
     _, gpu = stack.settings.fleet.all_gpus()[1]
     orphan = bare_booking(
