@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -183,9 +183,13 @@ class RealCluster:
 
 
 @contextmanager
-def real_cluster(*, nodes: int = 2, managed: tuple[str, ...] = ()) -> Iterator[RealCluster]:
+def real_cluster(
+    *, nodes: int = 2, managed: tuple[str, ...] = (), labels: Mapping[str, Mapping[str, str]] | None = None
+) -> Iterator[RealCluster]:
     """A local cluster with `nodes` real nodes (198.18.0.2 and up) and vramshare installed by its chart;
-    `managed` namespaces are created and labelled vramshare.io/managed=true."""
+    `managed` namespaces are created labelled vramshare.io/managed=true, and with `labels[namespace]`.
+    The labels are there from creation: one added afterwards reaches the API server's and the webhook's
+    namespace caches a moment later, and a pod created in that moment misses them."""
     image = product_image(images_cache())
     names = tuple(node_address(n) for n in range(2, 2 + nodes))
     with LocalCluster.start(settings=ClusterSettings(fleet=real_node_fleet(names))) as local:
@@ -197,9 +201,20 @@ def real_cluster(*, nodes: int = 2, managed: tuple[str, ...] = ()) -> Iterator[R
             node.tag_image(image.reference, image.reference + UPGRADE_TAG_SUFFIX)
         say(f"real nodes {', '.join(names)} Ready in {', '.join(f'{s:.1f} s' for s in real.node_ready_s)}")
         local.apply_objects(RUNTIME_CLASSES)
-        for ns in managed:
-            local.kubectl("create", "namespace", ns)
-            local.kubectl("label", "namespace", ns, "vramshare.io/managed=true")
+        if managed:
+            local.apply_objects(
+                [
+                    {
+                        "apiVersion": "v1",
+                        "kind": "Namespace",
+                        "metadata": {
+                            "name": ns,
+                            "labels": {"vramshare.io/managed": "true", **(labels or {}).get(ns, {})},
+                        },
+                    }
+                    for ns in managed
+                ]
+            )
         say("helm install from charts/vramshare (the webhook and controller as pods on the real nodes)")
         real.install()
         say(f"helm install --wait: {real.install_s:.1f} s")

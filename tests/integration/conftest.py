@@ -28,9 +28,21 @@ def core(api: client.ApiClient) -> client.CoreV1Api:
 
 
 @pytest.fixture
-def namespace(core: client.CoreV1Api, request: pytest.FixtureRequest) -> Iterator[str]:
-    """A fresh namespace per test, named after it."""
+def namespace_labels() -> dict[str, str]:
+    """The labels `namespace` is created with; a module overrides this fixture to set its own."""
+    return {}
+
+
+@pytest.fixture
+def namespace(
+    core: client.CoreV1Api, request: pytest.FixtureRequest, namespace_labels: dict[str, str]
+) -> Iterator[str]:
+    """A fresh namespace per test, named after it. Its labels are set when it is created: a label added
+    afterwards reaches the API server's namespace cache, which webhook namespaceSelectors are matched
+    against, a moment later, and a pod created in that moment is not sent to the webhook at all."""
     name = "t-" + "".join(c if c.isalnum() else "-" for c in request.node.name.lower())[:50].strip("-")
-    core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=name)))
+    core.create_namespace(
+        client.V1Namespace(metadata=client.V1ObjectMeta(name=name, labels=namespace_labels))
+    )
     yield name
     core.delete_namespace(name)

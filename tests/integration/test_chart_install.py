@@ -181,8 +181,17 @@ def test_vramshare_runs_as_the_chart_identities(stack: LocalCluster) -> None:
         lambda: len(json.loads(stack.kubectl("get", "gpudevices", "-o", "json"))["items"]) == 5,
         what="GpuDevices written by the controller",
     )
-    stack.kubectl("create", "namespace", "jobs")
-    stack.kubectl("label", "namespace", "jobs", "vramshare.io/managed=true")
+    # Labelled at creation: a label added afterwards reaches the API server's namespace cache (which the
+    # webhook's namespaceSelector is matched against) a moment later, and the pod below could miss it.
+    stack.apply_objects(
+        [
+            {
+                "apiVersion": "v1",
+                "kind": "Namespace",
+                "metadata": {"name": "jobs", "labels": {"vramshare.io/managed": "true"}},
+            }
+        ]
+    )
     pod = {
         "apiVersion": "v1",
         "kind": "Pod",

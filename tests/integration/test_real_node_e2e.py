@@ -97,18 +97,17 @@ class Stack:
 
 @pytest.fixture(scope="module")
 def stack() -> Iterator[Stack]:
-    with real_cluster(nodes=2, managed=(JOBS, LOAD, RC, CDI_NS, VM, VMR)) as real:
-        real.cluster.kubectl("label", "namespace", JOBS, "vramshare.io/delivery=env")
-        real.cluster.kubectl("label", "namespace", CDI_NS, "vramshare.io/delivery=cdi")
-        real.cluster.kubectl("label", "namespace", VM, "vramshare.io/delivery=volume-mounts")
-        real.cluster.kubectl(
-            "label",
-            "namespace",
-            VMR,
-            "vramshare.io/delivery=volume-mounts",
-            f"vramshare.io/device-list-claim={DEVICE_CLAIM}",
-            "pod-security.kubernetes.io/enforce=restricted",
-        )
+    labels = {
+        JOBS: {"vramshare.io/delivery": "env"},
+        CDI_NS: {"vramshare.io/delivery": "cdi"},
+        VM: {"vramshare.io/delivery": "volume-mounts"},
+        VMR: {
+            "vramshare.io/delivery": "volume-mounts",
+            "vramshare.io/device-list-claim": DEVICE_CLAIM,
+            "pod-security.kubernetes.io/enforce": "restricted",
+        },
+    }
+    with real_cluster(nodes=2, managed=(JOBS, LOAD, RC, CDI_NS, VM, VMR), labels=labels) as real:
         real.cluster.kubectl("create", "namespace", OPEN)
         assert tuple(n.name for n in real.nodes) == REAL
         core = client.CoreV1Api(config.new_client_from_config(config_file=str(real.cluster.kubeconfig)))

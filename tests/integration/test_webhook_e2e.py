@@ -40,8 +40,13 @@ def webhooks(cluster: LocalCluster) -> Iterator[dict[str, int]]:
 
 
 @pytest.fixture
-def gpu_namespace(core: client.CoreV1Api, namespace: str, webhooks: dict[str, int]) -> str:
-    core.patch_namespace(namespace, {"metadata": {"labels": {"vramshare-e2e/shard": "a"}}})
+def namespace_labels() -> dict[str, str]:
+    return {"vramshare-e2e/shard": "a"}
+
+
+@pytest.fixture
+def gpu_namespace(namespace: str, webhooks: dict[str, int]) -> str:
+    """A fresh namespace that webhook a serves, with the webhooks running."""
     return namespace
 
 
