@@ -71,6 +71,19 @@ def env_of(pod: client.V1Pod) -> dict[str, list[str]]:
     return values
 
 
+def refusal(core: client.CoreV1Api, namespace: str, pod: client.V1Pod) -> ApiException:
+    """The API server's refusal of `pod`. Where it was created instead, fail saying how it came out: no
+    vramshare annotation means no webhook saw it, one means a webhook admitted it."""
+    try:
+        created = core.create_namespaced_pod(namespace, pod)
+    except ApiException as exc:
+        return exc
+    pytest.fail(
+        f"pod {namespace}/{created.metadata.name} was created, not refused: annotations "
+        f"{created.metadata.annotations}, env {dict(env_of(created))}"
+    )
+
+
 def reservations(cluster: LocalCluster, namespace: str | None = None) -> list[dict]:
     scope = ["-n", namespace] if namespace else ["-A"]
     return json.loads(cluster.kubectl("get", "gpureservations", *scope, "-o", "json"))["items"]
@@ -107,10 +120,9 @@ def test_annotated_pod_is_patched_reserved_and_scheduled_on_the_gpu_node(
 def test_oversized_pod_is_refused_with_an_explaining_message(
     cluster: LocalCluster, core: client.CoreV1Api, gpu_namespace: str
 ) -> None:
-    with pytest.raises(ApiException) as refused:
-        core.create_namespaced_pod(gpu_namespace, gpu_pod("huge", "100000"))
-    assert refused.value.status == 403
-    message = json.loads(refused.value.body)["message"]
+    refused = refusal(core, gpu_namespace, gpu_pod("huge", "100000"))
+    assert refused.status == 403
+    message = json.loads(refused.body)["message"]
     assert message.startswith('admission webhook "a.gpu-mem.vramshare.io" denied the request: no GPU has')
     assert f"no GPU has 100000 MiB of headroom for pod {gpu_namespace}/huge" in message
     assert "the most any GPU can give is" in message
@@ -119,10 +131,9 @@ def test_oversized_pod_is_refused_with_an_explaining_message(
 
 
 def test_invalid_annotation_is_refused_with_400(core: client.CoreV1Api, gpu_namespace: str) -> None:
-    with pytest.raises(ApiException) as refused:
-        core.create_namespaced_pod(gpu_namespace, gpu_pod("bad", "1.5"))
-    assert refused.value.status == 400
-    assert "annotation \"gpu-mem-mb\" has value '1.5'" in json.loads(refused.value.body)["message"]
+    refused = refusal(core, gpu_namespace, gpu_pod("bad", "1.5"))
+    assert refused.status == 400
+    assert "annotation \"gpu-mem-mb\" has value '1.5'" in json.loads(refused.body)["message"]
 
 
 def test_pod_without_annotation_sees_no_gpu(core: client.CoreV1Api, gpu_namespace: str) -> None:
@@ -193,12 +204,12 @@ def test_pod_pinned_to_a_node_gets_a_gpu_on_that_node(
     assert created.metadata.annotations[ANNOTATION_NODE] == "gpu-node-b"
     node_b = {g.uuid for n in cluster.settings.fleet.nodes if n.name == "gpu-node-b" for g in n.gpus}
     assert created.metadata.annotations[ANNOTATION_GPU_UUID] in node_b
-    with pytest.raises(ApiException) as refused:
-        core.create_namespaced_pod(
-            gpu_namespace,
-            gpu_pod("pinned-big", "20000", node_selector={"kubernetes.io/hostname": "gpu-node-b"}),
-        )
-    message = json.loads(refused.value.body)["message"]
+    refused = refusal(
+        core,
+        gpu_namespace,
+        gpu_pod("pinned-big", "20000", node_selector={"kubernetes.io/hostname": "gpu-node-b"}),
+    )
+    message = json.loads(refused.body)["message"]
     assert "no GPU on node gpu-node-b has 20000 MiB" in message
     # Judged against the Node objects: the other node is named with the reason.
     assert (
