@@ -371,10 +371,16 @@ spec-dirs = ["{self.root / "cdi"}"]
     def cgroup_root(self) -> str:
         return f"vramshare-node-{self.name.replace('.', '-')}"
 
-    def _cgroups(self) -> list[Path]:
-        """The node's cgroup in every v1 hierarchy (the kubelet requires them to exist)."""
+    def _cgroups(self, *, unified: bool = False) -> list[Path]:
+        """The node's cgroup in every v1 hierarchy (the kubelet requires them to exist); with `unified`,
+        in the hybrid host's cgroup2 mount too, where runc makes a copy of each container's cgroup that
+        nobody removes but this clean-up."""
         base = Path("/sys/fs/cgroup")
-        return [d / self.cgroup_root for d in sorted(base.iterdir()) if d.is_dir() and d.name != "unified"]
+        return [
+            d / self.cgroup_root
+            for d in sorted(base.iterdir())
+            if d.is_dir() and (unified or d.name != "unified")
+        ]
 
     def start(self, *, timeout_s: float = 120.0, images: Sequence[Path] = ()) -> float:
         """Start containerd, import the images (the node's own and `images`, OCI archives), start the
@@ -448,22 +454,18 @@ spec-dirs = ["{self.root / "cdi"}"]
         """After containerd and the kubelet stopped: end what they leave behind on this machine, the
         containers and their shims (which detach from containerd), the kubelet's and containerd's
         mounts, and the node's cgroups."""
-        for cgroup in self._cgroups():
+        for cgroup in self._cgroups(unified=True):
             for procs in sorted(cgroup.rglob("cgroup.procs")) if cgroup.exists() else []:
-                for pid in procs.read_text().split():
+                for member in procs.read_text().split():
                     with contextlib.suppress(ProcessLookupError, ValueError):
-                        os.kill(int(pid), 9)
-        socket = str(self.socket)
-        for proc in Path("/proc").iterdir():
-            if proc.name.isdigit():
-                with contextlib.suppress(OSError):
-                    if socket in (proc / "cmdline").read_bytes().decode(errors="replace"):
-                        os.kill(int(proc.name), 9)
+                        os.kill(int(member), 9)
+        for pid in self._processes():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, 9)
         time.sleep(0.2)
-        mounts = [line.split()[1] for line in Path("/proc/self/mounts").read_text().splitlines()]
-        for mount in sorted((m for m in mounts if m.startswith(str(self.root))), key=len, reverse=True):
+        for mount in sorted(self._mounts(), key=len, reverse=True):
             subprocess.run(["umount", "-l", mount], check=False, capture_output=True)
-        for cgroup in self._cgroups():
+        for cgroup in self._cgroups(unified=True):
             if cgroup.exists():
                 for d in sorted(
                     (p for p in cgroup.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True
@@ -473,6 +475,30 @@ spec-dirs = ["{self.root / "cdi"}"]
                 with contextlib.suppress(OSError):
                     cgroup.rmdir()
         release_address(self.name)
+
+    def leftovers(self) -> list[str]:
+        """What of this node is still on the machine: its processes (those naming its containerd
+        socket: containerd, the kubelet, the shims), mounts under its folder, and cgroups in any
+        hierarchy. Empty after `cleanup`."""
+        return [
+            *(f"process {pid}" for pid in self._processes()),
+            *(f"mount {m}" for m in self._mounts()),
+            *(f"cgroup {d}" for c in self._cgroups(unified=True) if c.exists() for d in (c, *c.rglob("*/"))),
+        ]
+
+    def _processes(self) -> list[int]:
+        socket = str(self.socket)
+        found = []
+        for proc in Path("/proc").iterdir():
+            if proc.name.isdigit():
+                with contextlib.suppress(OSError):
+                    if socket in (proc / "cmdline").read_bytes().decode(errors="replace"):
+                        found.append(int(proc.name))
+        return found
+
+    def _mounts(self) -> list[str]:
+        mounts = [line.split()[1] for line in Path("/proc/self/mounts").read_text().splitlines()]
+        return [m for m in mounts if m.startswith(str(self.root))]
 
     def _ctr(self, *args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(

@@ -116,6 +116,9 @@ def stack() -> Iterator[Stack]:
             f"helm install --wait {real.install_s:.1f} s"
         )
         yield Stack(real=real, core=core)
+    # The next run on this machine needs none of it, and CI's fresh machine would never show a leak.
+    left = [thing for node in real.nodes for thing in node.leftovers()]
+    assert not left, f"the real nodes left {len(left)} things behind: {left[:10]}"
 
 
 def task_pod(
