@@ -127,7 +127,8 @@ def one_write_app(kubeconfig: str) -> web.Application:
             "metadata": {"generateName": f"{name}-"},
             "spec": {"podName": name, "memoryMiB": 10},
         }
-        await app["kube"].create(f"{path}/namespaces/{req['namespace']}/{FLOOR_PLURAL}", booking)
+        if not req.get("dryRun"):  # registered NoneOnDryRun, as vramshare is: a dry run books nothing
+            await app["kube"].create(f"{path}/namespaces/{req['namespace']}/{FLOOR_PLURAL}", booking)
         return web.json_response(
             {
                 "apiVersion": "admission.k8s.io/v1",

@@ -233,6 +233,9 @@ def _ratios(row: dict[str, float], against: dict[str, float]) -> dict[str, float
     }
 
 
+FLOOR_SPACES = ["floor-a", "floor-b"]
+"""The one-write floor's namespaces, one per replica (as vramshare's gpu-a and gpu-b)."""
+
 PODS_PER_NODE = 2000
 """Room on each of the two nodes for a level's four phases (4 x 244 pods) and a round of the no-GPU
 cases (4 x 496) at once."""
@@ -421,9 +424,6 @@ def admission(
             made = count
     return result
 
-
-FLOOR_SPACES = ["floor-a", "floor-b"]
-"""The one-write floor's namespaces, one per replica (as vramshare's gpu-a and gpu-b)."""
 
 WARM_UP = 16
 """Pods created untimed before each case of `_no_gpu`."""

@@ -413,11 +413,11 @@ class ReservationReconciler:
 
         def due() -> None:
             self._binds.pop(key, None)
-            current = self.state.reservations.items.get(f"{key[0]}/{key[1]}")
-            seen = self.state.pods.items.get(f"{res.namespace}/{pod.name}")
+            current = self.state.reservations.items.get(res.key)
+            pod_now = self.state.pods.items.get(f"{res.namespace}/{pod.name}")
             if current is None or current.status.pod_uid:
                 return  # gone, or bound meanwhile
-            self._spawn(self._reconcile_quietly(current, [seen] if seen is not None else [], presence))
+            self._spawn(self._reconcile_quietly(current, [pod_now] if pod_now is not None else [], presence))
 
         self._binds[key] = asyncio.get_running_loop().call_later(max(0.0, at - now) + 0.1, due)
 
