@@ -99,20 +99,30 @@ def test_admission_smoke(tmp_path: Path) -> None:
             assert cost[case]["api_requests"]["pods/post"] >= 1
             assert cost[case]["cpu_ms"]["kube-apiserver"] > 0
         assert cost["vramshare"]["api_requests"]["gpureservations/post"] >= 1
-        # The floor made its one write per pod, of its own kind (no GpuReservation), and its webhooks
-        # did the work (their CPU is counted).
+        # The floor made its one write per pod, of its own kind (no GpuReservation), and its webhooks'
+        # CPU is counted (measured below over both levels: /proc counts it in 10 ms ticks, and one
+        # replica's 6 pods of a level can take less).
         assert cost["one_write_floor"]["api_requests"]["floorbookings/post"] == 1
         assert "gpureservations/post" not in cost["one_write_floor"]["api_requests"]
-        assert cost["one_write_floor"]["cpu_ms"]["e2e-one-write-0"] > 0
+        assert {"e2e-one-write-0", "e2e-one-write-1"} <= cost["one_write_floor"]["cpu_ms"].keys()
         # The webhook's one read per admission: the pod's name (a taken name books nothing).
         assert cost["vramshare"]["api_requests"]["pods/get"] >= 1
-        # The controller binds a booking in one status write, and writes the status once more when
-        # it bound the pod before it ran (its start time: at this small load, every pod), now and
-        # then after a conflict. It wrote an ownerReference as well before issue #31: three or more
-        # here, 2.05 at concurrency 16 in full (1.04 now).
-        assert cost["vramshare"]["api_requests"].get("gpureservations/patch", 0) < 2.5
+        # The controller binds a booking in one status write, once its pod runs (bind_wait_s), now
+        # and then one more after a conflict. It bound at first sight and wrote the start again when
+        # the pod ran until 2026-12-05 (2.0 per pod at these levels), and an ownerReference as well
+        # before issue #31 (three or more).
+        patches = cost["vramshare"]["api_requests"].get("gpureservations/patch", 0)
+        assert patches < 1.5, f"{patches} reservation patches per pod"
+        print(f"\nreservation patches per pod: {patches}")
         assert "gpureservations/post" not in cost["baseline"]["api_requests"]
         assert cost["vramshare"]["api_requests_total"] > cost["baseline"]["api_requests_total"]
+    floor_cpu_ms = [
+        ms
+        for level in report["levels"].values()
+        for component, ms in level["cost_per_pod"]["one_write_floor"]["cpu_ms"].items()
+        if component.startswith("e2e-one-write-")
+    ]
+    assert sum(floor_cpu_ms) > 0, floor_cpu_ms
     assert (tmp_path / "admission.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     ng = report["no_gpu"]
     for case in ("no_webhook", "unmanaged", "hidden", "hidden_in_process"):
