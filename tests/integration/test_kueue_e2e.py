@@ -24,7 +24,7 @@ from vramshare_e2e.components import (
     webhook_configuration,
 )
 from vramshare_e2e.kueue import SELECTOR_LABEL, gpu_memory_queue, start_kueue
-from vramshare_webhook.tenancy import quantity
+from vramshare_webhook.memory_resource import quantity
 
 pytestmark = pytest.mark.cluster
 

@@ -14,8 +14,9 @@ import pytest
 import pytest_asyncio
 
 from vramshare.domain import Accounting, has_room_for_its_bookings
+from vramshare.domain.snapshot import CommitConflictError
 from vramshare.kube.client import Connection, KubeClient
-from vramshare.kube.ledger import CommitConflictError, KubeLedger
+from vramshare.kube.ledger import KubeLedger
 from vramshare.kube.objects import DeviceSpec, DeviceStatus, GpuDevice, GpuReservation
 from vramshare.kube.resources import ANNOTATION_LEDGER, device_name, devices_path, reservations_path
 from vramshare_e2e.cluster import LocalCluster

@@ -20,8 +20,9 @@ from vramshare.controller.queue import QueueLoop
 from vramshare.controller.settings import ControllerSettings
 from vramshare.controller.state import ClusterState
 from vramshare.domain import ReservationPhase
+from vramshare.domain.snapshot import CommitConflictError
 from vramshare.kube.client import ApiError, Connection, KubeClient, Obj
-from vramshare.kube.ledger import CommitConflictError, KubeLedger
+from vramshare.kube.ledger import KubeLedger
 from vramshare.kube.objects import DeviceSpec, GpuDevice, GpuReservation
 from vramshare.kube.pods import PLACEMENT_WITHDRAWN, QUEUE_GATE
 from vramshare.kube.resources import (

@@ -34,7 +34,7 @@ from vramshare_e2e.components import (
     wait_for_gpu_devices,
     webhook_configuration,
 )
-from vramshare_webhook.tenancy import quantity
+from vramshare_webhook.memory_resource import quantity
 
 pytestmark = pytest.mark.cluster
 

@@ -25,7 +25,7 @@ from vramshare.kube.replicas import ReplicaEndpoints, ReplicaLeases
 from vramshare.kube.resources import LABEL_RESERVATION
 from vramshare.kube.watch import WatchCache
 from vramshare.settings import SettingsError
-from vramshare_webhook.admission import Admitter
+from vramshare_webhook.admission import Admitter, ClusterView
 from vramshare_webhook.app import create_app
 from vramshare_webhook.metrics import WebhookMetrics
 from vramshare_webhook.settings import TlsMode, WebhookSettings
@@ -143,12 +143,14 @@ async def serve(settings: WebhookSettings) -> None:
             settings=settings,
             ledger=ledger,
             metrics=metrics,
-            server_clock=kube.server_clock.now,
-            namespace_labels=lambda namespace: namespaces.items.get(f"/{namespace}", {}),
-            nodes=lambda: nodes.items.values(),
-            resource_quotas=quotas_of,
-            gpu_pods=lambda: gpu_pods.items.values(),
-            replicas=replicas.up if replicas is not None else tuple,
+            cluster=ClusterView(
+                server_clock=kube.server_clock.now,
+                namespace_labels=lambda namespace: namespaces.items.get(f"/{namespace}", {}),
+                nodes=lambda: nodes.items.values(),
+                resource_quotas=quotas_of,
+                gpu_pods=lambda: gpu_pods.items.values(),
+                replicas=replicas.up if replicas is not None else tuple,
+            ),
         )
         stopping = asyncio.Event()
         for signum in (signal.SIGTERM, signal.SIGINT):

@@ -117,6 +117,8 @@ class Refuse:
     retry_after_s: int | None = None
     """With 429: when memory is expected to free (None: the configured Retry-After)."""
     reason: Reason = Reason.NO_GPU_FITS
+    style: RefusalStyle | None = None
+    """How the pod is refused (None: the settings' default)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -125,6 +127,7 @@ class Contention:
 
     message: str
     details: Mapping[str, Any] = field(default_factory=dict)
+    style: RefusalStyle | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -133,6 +136,7 @@ class Late:
 
     message: str
     details: Mapping[str, Any] = field(default_factory=dict)
+    style: RefusalStyle | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -162,11 +166,9 @@ class Answer:
     log_fields: Mapping[str, Any]
 
 
-def answer(
-    decision: Decision, *, uid: str, settings: WebhookSettings, style: RefusalStyle | None = None
-) -> Answer:
+def answer(decision: Decision, *, uid: str, settings: WebhookSettings) -> Answer:
     """The AdmissionReview response and the metric labels for `decision`; a refusal is answered in
-    `style` (default: the settings' denial code)."""
+    its style (default: the settings' denial code)."""
     match decision:
         case Skip(reason=reason):
             return Answer(review=rv.allowed(uid), outcome=Outcome.SKIPPED, reason=reason, log_fields={})
@@ -204,7 +206,7 @@ def answer(
             why = {Contention: Reason.CONTENTION, Late: Reason.DEADLINE}
             after = decision.retry_after_s if isinstance(decision, Refuse) else None
             return Answer(
-                review=_deny(uid, message, settings, style=style, retry_after_s=after),
+                review=_deny(uid, message, settings, style=decision.style, retry_after_s=after),
                 outcome=Outcome.REFUSED,
                 reason=decision.reason if isinstance(decision, Refuse) else why[type(decision)],
                 log_fields=details,

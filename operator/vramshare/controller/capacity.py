@@ -1,5 +1,5 @@
 """GPU memory as node capacity: each GPU node advertises vramshare's memory resource (see
-`vramshare_webhook.tenancy`), the documented way to advertise an extended resource (a PATCH of the
+`vramshare_webhook.memory_resource`), the documented way to advertise an extended resource (a PATCH of the
 Node's status). The scheduler's node fit, ResourceQuota and Kueue then all count GPU memory.
 
 The kubelet keeps an extended resource it does not manage and copies capacity to allocatable; a kubelet

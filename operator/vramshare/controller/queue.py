@@ -48,10 +48,11 @@ from vramshare.domain import Hold, ReservationPhase, Waiting, plan_queue
 from vramshare.domain.guardrails import fraction_of
 from vramshare.domain.queue import QueuePlan, parse_weight
 from vramshare.domain.scheduling import schedulable_nodes
+from vramshare.domain.snapshot import CommitConflictError, Snapshot
 from vramshare.domain.tenancy import holdings_of
 from vramshare.kube.client import ApiError, KubeClient, Obj
 from vramshare.kube.events import Event, Involved, post_event
-from vramshare.kube.ledger import CommitConflictError, KubeLedger, Snapshot
+from vramshare.kube.ledger import KubeLedger
 from vramshare.kube.objects import GpuReservation
 from vramshare.kube.pods import (
     ANNOTATION_FRACTION,

@@ -100,6 +100,7 @@ import structlog
 
 from vramshare.domain import Gpu, LedgerIndex, ReleaseLog, Reservation
 from vramshare.domain.freshness import InventoryHeartbeat, with_heartbeat
+from vramshare.domain.snapshot import CommitConflictError, Snapshot
 from vramshare.kube.client import ApiError, KubeClient, Obj, list_all
 from vramshare.kube.lease_watch import HeartbeatSource
 from vramshare.kube.objects import GpuDevice, GpuReservation, remove_finalizer
@@ -130,27 +131,6 @@ CATCH_UP_TIMEOUT_S = 2.0
 ACTIVE = f"{LABEL_ACTIVE}!=false"
 """Only the live ledger: ended reservations are labelled inactive by the controller. A reservation
 without the label (made by hand) is counted, to be safe."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class Snapshot:
-    """GPUs and reservations as one admission sees them, with the tokens needed to commit."""
-
-    gpus: tuple[Gpu, ...]
-    reservations: tuple[Reservation, ...]
-    tokens: dict[str, str]
-    """GPU UUID -> resourceVersion of its GpuDevice when read."""
-    index: LedgerIndex | None = None
-    """For a live view: the same ledger summed per GPU (then `reservations` is left empty). It is the
-    cache's own index, current only until the next await: decide on it at once."""
-    live: bool = False
-    """Built from the watch caches at the moment it was handed out, with every decision this process
-    had made by then. Only such a view may commit on a token our own later commits moved (see
-    `KubeLedger.commit`); a consistent read is a picture of an earlier moment, possibly shared."""
-
-
-class CommitConflictError(Exception):
-    """The GPU's ledger token moved since the snapshot: decide again on a fresh one."""
 
 
 MAX_GROUP = 32

@@ -15,9 +15,10 @@ from tests.unit.domain.builders import NOW, gpu
 from tests.unit.fake_kube import FakeKube, add_idle_gpu
 from vramshare.domain import Accounting, has_room_for_its_bookings
 from vramshare.domain.freshness import InventoryHeartbeat
+from vramshare.domain.snapshot import CommitConflictError, Snapshot
 from vramshare.kube.client import ApiError
 from vramshare.kube.lease_watch import HeartbeatSource
-from vramshare.kube.ledger import CommitConflictError, KubeLedger, Snapshot, last_commit_version
+from vramshare.kube.ledger import KubeLedger, last_commit_version
 from vramshare.kube.objects import GpuDevice, GpuReservation
 from vramshare.kube.resources import ANNOTATION_LEDGER, LABEL_COMMITTED, devices_path, reservations_path
 

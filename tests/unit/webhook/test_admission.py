@@ -13,11 +13,11 @@ import pytest
 
 from tests.unit.domain.builders import NOW, gpu
 from vramshare.domain import Accounting, ReservationPhase
-from vramshare.kube.ledger import CommitConflictError, Snapshot
+from vramshare.domain.snapshot import CommitConflictError, Snapshot
 from vramshare.kube.objects import GpuReservation
 from vramshare.settings import SettingsError
 from vramshare_webhook import review as rv
-from vramshare_webhook.admission import Admitter
+from vramshare_webhook.admission import Admitter, ClusterView
 from vramshare_webhook.delivery import DeliveryMode
 from vramshare_webhook.metrics import WebhookMetrics
 from vramshare_webhook.settings import WebhookSettings
@@ -290,7 +290,8 @@ async def test_the_reinvocation_window_runs_on_the_api_servers_clock() -> None:
         ledger=ledger,
         metrics=WebhookMetrics(),
         clock=lambda: NOW + 40,
-        server_clock=lambda: NOW,  # the clock that stamped the booking's creationTimestamp
+        # the clock that stamped the booking's creationTimestamp
+        cluster=ClusterView(server_clock=lambda: NOW),
     )
     original = request()
     first = await a.review(original)
@@ -446,7 +447,7 @@ async def test_queue_mode_from_the_namespace_label_and_the_annotation_wins() -> 
         ledger=ledger,
         metrics=WebhookMetrics(),
         clock=lambda: NOW,
-        namespace_labels=lambda namespace: {"vramshare.io/queue": "true"},
+        cluster=ClusterView(namespace_labels=lambda namespace: {"vramshare.io/queue": "true"}),
     )
     assert (await queued_ns.review(request("8000")))["response"]["allowed"]
     refused = await queued_ns.review(request("8000", uid="u2", annotations={"gpu-queue": "false"}))
@@ -607,7 +608,9 @@ async def test_on_an_mps_node_the_driver_limit_is_set() -> None:
         ledger=ledger,
         metrics=WebhookMetrics(),
         clock=lambda: NOW,
-        nodes=lambda: [NodeView(name="node-a", labels={"nvidia.com/mps.capable": "true"})],
+        cluster=ClusterView(
+            nodes=lambda: [NodeView(name="node-a", labels={"nvidia.com/mps.capable": "true"})]
+        ),
     )
     assert env_of(await webhook.review(request("4096")))["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=4096M"
 
@@ -839,7 +842,7 @@ async def test_the_refusal_is_chosen_per_pod_then_per_namespace_and_a_bad_value_
         ledger=ledger,
         metrics=WebhookMetrics(),
         clock=lambda: NOW,
-        namespace_labels=lambda namespace: {"vramshare.io/refusal": "retry-after"},
+        cluster=ClusterView(namespace_labels=lambda namespace: {"vramshare.io/refusal": "retry-after"}),
     )
     code, message, details = refusal_of(await labelled.review(request("20000", **EXECUTOR_POD)))
     assert (code, details) == (429, {"retryAfterSeconds": 40})  # nothing frees: the longest wait
@@ -886,7 +889,9 @@ def delivering(ledger: MemoryLedger, *, label: str | None = None, **settings: An
         ledger=ledger,
         metrics=WebhookMetrics(),
         clock=lambda: NOW,
-        namespace_labels=lambda namespace: {"vramshare.io/delivery": label} if label else {},
+        cluster=ClusterView(
+            namespace_labels=lambda namespace: {"vramshare.io/delivery": label} if label else {}
+        ),
     )
 
 

@@ -14,7 +14,7 @@ from tests.unit.webhook.test_admission import MemoryLedger, admitter, delivering
 from tests.unit.webhook.test_pod import apply
 from vramshare.domain import Accounting
 from vramshare.domain.delivery_check import MODES
-from vramshare_webhook.admission import Admitter
+from vramshare_webhook.admission import Admitter, ClusterView
 from vramshare_webhook.delivery import (
     DEVICE_LIST_ROOT,
     DeliveryMode,
@@ -340,7 +340,7 @@ async def test_a_namespace_names_its_own_device_list_claim_and_a_bad_one_is_name
             ledger=MemoryLedger(),
             metrics=WebhookMetrics(),
             clock=lambda: NOW,
-            namespace_labels=lambda namespace: labels,
+            cluster=ClusterView(namespace_labels=lambda namespace: labels),
         )
 
     req = request()

@@ -14,10 +14,10 @@ from tests.unit.webhook.test_admission import MemoryLedger, airflow, patch_of, r
 from vramshare.domain import Accounting, ReservationPhase
 from vramshare.kube.objects import GpuReservation
 from vramshare_webhook import review as rv
-from vramshare_webhook.admission import Admitter
+from vramshare_webhook.admission import Admitter, ClusterView
+from vramshare_webhook.memory_resource import memory_resource_patch, quantity, quotas_in
 from vramshare_webhook.metrics import WebhookMetrics
 from vramshare_webhook.settings import WebhookSettings
-from vramshare_webhook.tenancy import memory_resource_patch, quantity, quotas_in
 
 RESOURCE = "vramshare.io/gpu-mem-mib"
 NOW = 1_800_000_000.0
@@ -36,7 +36,9 @@ def admitter(ledger: MemoryLedger, *, quotas: list[dict[str, Any]] = (), **setti
         ledger=ledger,
         metrics=WebhookMetrics(),
         clock=lambda: NOW,
-        resource_quotas=lambda namespace: [q for q in quotas if q["metadata"]["namespace"] == namespace],
+        cluster=ClusterView(
+            resource_quotas=lambda namespace: [q for q in quotas if q["metadata"]["namespace"] == namespace]
+        ),
     )
 
 
