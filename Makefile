@@ -50,8 +50,8 @@ contracts: venv ## import-linter: the domain stays pure
 	$(BIN)/lint-imports
 
 .PHONY: unit
-unit: venv ## Fast tests: no I/O
-	$(BIN)/pytest tests/unit
+unit: venv ## Fast tests: no I/O, without the slow ones (SLOW=1: with them; make test runs them all)
+	$(BIN)/pytest tests/unit $(if $(SLOW),,-m "not slow")
 
 # Test modules run on this many workers (pytest-xdist), each module whole on one worker: most of an
 # integration module's time is spent waiting on its control plane, so two overlap well even on 2 cores.

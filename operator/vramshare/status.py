@@ -130,18 +130,17 @@ def from_objects(
     return Status(gpus=gpus, reservations=rows)
 
 
+_BOOKING_FIELDS = ("namespace", "name", "pod", "mib", "node", "gpu_uuid", "gpu_index")
+"""What a row shows of the booking, read from the domain's view of it (`GpuReservation.to_domain`)."""
+
+
 def _row(res: GpuReservation, *, now: float) -> ReservationRow:
+    booking = res.to_domain()
     return ReservationRow(
-        namespace=res.namespace,
-        name=res.name,
-        pod=res.spec.pod_name,
-        mib=res.spec.memory_mib,
-        node=res.spec.node_name,
-        gpu_uuid=res.spec.gpu_uuid,
-        gpu_index=res.spec.gpu_index,
-        phase=res.phase.value,
-        age_s=max(0.0, now - (res.meta.created_at or now)),
-        queue_position=res.status.queue_position if res.phase is ReservationPhase.QUEUED else None,
+        **{f: getattr(booking, f) for f in _BOOKING_FIELDS},
+        phase=booking.phase.value,
+        age_s=max(0.0, now - (booking.reserved_at or now)),
+        queue_position=res.status.queue_position if booking.phase is ReservationPhase.QUEUED else None,
     )
 
 

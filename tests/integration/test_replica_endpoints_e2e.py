@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.integration.test_replica_deal_e2e import (
+from tests.integration.replica_deal import (
     admit_40_pods_onto_two_tied_a100s,
     agreeing_identities,
     metric,

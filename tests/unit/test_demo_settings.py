@@ -3,7 +3,7 @@ setting both read, and only what the demo names (with the product's default and 
 
 from __future__ import annotations
 
-from tests.unit.test_readme_settings import defaults
+from tests.unit.settings_defaults import defaults
 from vramshare.controller.settings import ControllerSettings
 from vramshare.settings import from_env, variables
 from vramshare_e2e.demo import SHORTENED_CONTROLLER, SHORTENED_SHARED, demo_env, shortened_note

@@ -4,29 +4,16 @@ default they give, and every variable the code reads is in its component's table
 from __future__ import annotations
 
 import re
-from dataclasses import fields, is_dataclass
 from enum import StrEnum
 from pathlib import Path
 
 import pytest
 
+from tests.unit.settings_defaults import defaults
 from vramshare.controller.settings import ControllerSettings
 from vramshare_webhook.settings import WebhookSettings
 
 README = Path(__file__).resolve().parents[2] / "README.md"
-
-
-def defaults(settings: object) -> dict[str, object]:
-    """VRAMSHARE_<NAME> -> default, as `vramshare.settings.from_env` reads them (nested dataclasses
-    share the flat namespace)."""
-    out: dict[str, object] = {}
-    for f in fields(settings):  # type: ignore[arg-type]
-        value = getattr(settings, f.name)
-        if is_dataclass(value) and not isinstance(value, type):
-            out |= defaults(value)
-        else:
-            out[f"VRAMSHARE_{f.name.upper()}"] = value
-    return out
 
 
 def table(heading: str) -> list[tuple[list[str], str]]:

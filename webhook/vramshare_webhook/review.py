@@ -131,15 +131,6 @@ def nesting_depth(body: bytes) -> int:
     return max(itertools.accumulate(array.array("b", brackets)), default=0)
 
 
-def request_uid(body: bytes) -> str:
-    """The request UID of a body that failed later on, best effort, so an errored answer can echo it."""
-    try:
-        uid = json.loads(body)["request"]["uid"]
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError, RecursionError):
-        return ""
-    return uid if isinstance(uid, str) else ""
-
-
 def _review(response: Response) -> Review:
     return {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "response": response}
 

@@ -88,6 +88,7 @@ async def run(settings: ControllerSettings) -> None:
         )
 
         def publish(heartbeat: InventoryHeartbeat) -> None:
+            """Carried on the Lease from its next renewal on."""
             published[ANNOTATION_HEARTBEAT] = encode(heartbeat)
 
         source = DcgmSource(
@@ -112,9 +113,7 @@ async def run(settings: ControllerSettings) -> None:
                         settings=settings,
                         metrics=metrics,
                         state=state,
-                        on_heartbeat=lambda heartbeat: published.update(
-                            {ANNOTATION_HEARTBEAT: encode(heartbeat)}
-                        ),
+                        on_heartbeat=publish,
                     )
                     # The queue's decisions date unchanged GPUs by the heartbeat too.
                     ledger = KubeLedger(

@@ -51,6 +51,7 @@ from vramshare.domain.scheduling import schedulable_nodes
 from vramshare.domain.snapshot import CommitConflictError, Snapshot
 from vramshare.domain.tenancy import holdings_of
 from vramshare.kube.client import ApiError, KubeClient, Obj
+from vramshare.kube.conditional import annotate_unchanged
 from vramshare.kube.events import Event, Involved, post_event
 from vramshare.kube.ledger import KubeLedger
 from vramshare.kube.objects import GpuReservation
@@ -335,27 +336,14 @@ class QueueLoop:
         meta = pod["metadata"]
         path = f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}"
         fence = placement_id(res.name, res.meta.generation)
-        for _ in range(3):
-            try:
-                await self.kube.merge_patch(
-                    path,
-                    {
-                        "metadata": {
-                            "resourceVersion": pod["metadata"]["resourceVersion"],
-                            "annotations": {PLACEMENT_WITHDRAWN: fence},
-                        }
-                    },
-                )
-                return True
-            except ApiError as exc:
-                if exc.not_found:
-                    return False
-                if not exc.conflict:
-                    raise
-            pod = await self.kube.get(path)
-            if not gated(pod):
-                return False
-        return False
+        return await annotate_unchanged(
+            self.kube,
+            path,
+            version=pod["metadata"]["resourceVersion"],
+            annotations={PLACEMENT_WITHDRAWN: fence},
+            still=gated,
+            attempts=3,
+        )
 
     async def _release(self, res: GpuReservation, pod: Obj) -> None:
         """Write the placement into the gated pod and lift the gate (read again if it changed), unless

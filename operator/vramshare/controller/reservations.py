@@ -38,6 +38,7 @@ from vramshare.domain.headroom import booked_past_capacity
 from vramshare.domain.inventory import GpuPresence
 from vramshare.domain.lifecycle import belongs, stuck_unschedulable
 from vramshare.kube.client import ApiError, KubeClient, Obj
+from vramshare.kube.conditional import read_reservation
 from vramshare.kube.events import Event, Involved, post_event
 from vramshare.kube.objects import (
     GpuReservation,
@@ -450,12 +451,7 @@ class ReservationReconciler:
             log.warning("reservation check failed", reservation=f"{key[0]}/{key[1]}", error=str(exc))
 
     async def _get(self, namespace: str, name: str) -> GpuReservation | None:
-        try:
-            return GpuReservation.from_wire(await self.kube.get(reservations_path(namespace, name)))
-        except ApiError as exc:
-            if exc.not_found:
-                return None
-            raise
+        return await read_reservation(self.kube, namespace, name)
 
     async def reconcile(
         self,

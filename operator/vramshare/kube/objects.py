@@ -348,7 +348,7 @@ class GpuReservation:
 
     @property
     def committed(self) -> bool:
-        """Labelled committed: its GPU's token was moved naming it (see vramshare.kube.ledger). Only
+        """Labelled committed: its GPU's token was moved naming it (see vramshare.kube.ledger.commit). Only
         queue placements and holds carry the label; a pod's own booking is vouched for by its pod."""
         return self.meta.labels.get(LABEL_COMMITTED) == "true"
 
@@ -604,7 +604,7 @@ class GpuDevice:
 
     @property
     def ledger_token(self) -> str:
-        """The resourceVersion every commit on this GPU must move (see vramshare.kube.ledger)."""
+        """The resourceVersion every commit on this GPU must move (see vramshare.kube.ledger.commit)."""
         return self.meta.resource_version
 
     def to_domain(self) -> Gpu | None:

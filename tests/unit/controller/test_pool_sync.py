@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from structlog.testing import capture_logs
 
-from tests.unit.domain.test_pools import judged
+from tests.unit.domain.builders import judged
 from vramshare.airflow_pools import AirflowUnavailableError
 from vramshare.controller.metrics import ControllerMetrics
 from vramshare.controller.pools import PoolSync

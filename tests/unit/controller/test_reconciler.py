@@ -9,6 +9,8 @@ import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
+import pytest
+
 from tests.unit.domain.builders import NOW, gpu
 from tests.unit.fake_kube import FakeKube, add_idle_gpu, fed_state
 from vramshare.controller.metrics import ControllerMetrics
@@ -148,6 +150,7 @@ async def test_an_impostors_deletion_does_not_release_the_booking() -> None:
         assert PATH not in kube.objects  # its own pod's deletion ends it
 
 
+@pytest.mark.slow
 async def test_a_booking_whose_pod_never_appears_expires_when_its_ttl_runs_out() -> None:
     now = [NOW]
     async with setup(ttl_s=0.2, now=now) as (kube, reconciler):
@@ -162,6 +165,7 @@ async def test_a_booking_whose_pod_never_appears_expires_when_its_ttl_runs_out()
         assert (event["reason"], event["involvedObject"]["kind"]) == ("PodNeverCreated", "GpuReservation")
 
 
+@pytest.mark.slow
 async def test_a_look_that_came_early_is_taken_again_when_due_not_at_the_next_sweep() -> None:
     """The timer is set on an estimate of the API server's clock; when it fires a moment before the
     TTL has run out on that clock, the booking used to wait for the next sweep (10 s by default)."""

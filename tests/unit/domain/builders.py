@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from vramshare.domain import AllocationRequest, Gpu, Reservation, ReservationPhase
+from vramshare.domain.headroom import headroom
+from vramshare.domain.inventory import DeviceState, DeviceStatus
 
 NOW = 1_800_000_000.0
 
@@ -60,3 +62,15 @@ def reservation(
 def request(mib: int, *, node: str | None = None, nodes: frozenset[str] | None = None) -> AllocationRequest:
     allowed = frozenset([node]) if node is not None else nodes
     return AllocationRequest(mib=mib, namespace="airflow", pod="train-model-x", nodes=allowed)
+
+
+def judged(state: DeviceState, total: int = 40_960, used: int = 0, uuid: str = "GPU-a") -> DeviceStatus:
+    g = gpu(uuid, total=total, used=used)
+    return DeviceStatus(
+        gpu=g,
+        last_seen_at=g.sampled_at,
+        state=state,
+        message="",
+        headroom=headroom(g, [], settle_s=0, safety_margin_mib=0),
+        overused_mib=0,
+    )

@@ -4,18 +4,20 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.unit.domain import builders
 from tests.unit.domain.builders import NOW
-from tests.unit.domain.test_properties import allocation_settings, fleet, requests, reservations
+from tests.unit.domain.strategies import allocation_settings, fleet, requests, reservations
 from vramshare.domain import Gpu, LedgerIndex, Reservation, ReservationPhase, choose
 from vramshare.domain.headroom import booked, headroom_mib
 
 KEYS = [f"ns/r{i}" for i in range(8)]
 
 
+@pytest.mark.slow
 @settings(max_examples=300)
 @given(
     changes=st.lists(st.tuples(st.sampled_from(KEYS), st.none() | reservations()), max_size=40),
@@ -44,6 +46,7 @@ def test_the_index_agrees_with_summing_the_ledger(
     assert len(index) == len(active)
 
 
+@pytest.mark.slow
 @settings(max_examples=200)
 @given(
     ledger=st.lists(reservations(), max_size=30), gpus=fleet(), config=allocation_settings, request=requests
@@ -60,6 +63,7 @@ def test_choose_decides_the_same_from_the_index(
     assert plain.verdicts == indexed.verdicts  # built later, from figures taken at the decision
 
 
+@pytest.mark.slow
 @settings(max_examples=300)
 @given(
     changes=st.lists(st.tuples(st.sampled_from(KEYS), st.none() | reservations()), max_size=40),

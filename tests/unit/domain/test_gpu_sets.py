@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tests.unit.domain.builders import NOW, gpu, request, reservation
-from tests.unit.domain.test_properties import allocation_settings, fleet
+from tests.unit.domain.strategies import allocation_settings, fleet
 from vramshare.domain import (
     Accounting,
     AllocationRequest,

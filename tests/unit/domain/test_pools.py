@@ -5,22 +5,9 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tests.unit.domain.builders import gpu
-from vramshare.domain.headroom import headroom
-from vramshare.domain.inventory import DeviceState, DeviceStatus
+from tests.unit.domain.builders import judged
+from vramshare.domain.inventory import DeviceState
 from vramshare.domain.pools import PoolBasis, PoolRule, pool_slots
-
-
-def judged(state: DeviceState, total: int = 40_960, used: int = 0, uuid: str = "GPU-a") -> DeviceStatus:
-    g = gpu(uuid, total=total, used=used)
-    return DeviceStatus(
-        gpu=g,
-        last_seen_at=g.sampled_at,
-        state=state,
-        message="",
-        headroom=headroom(g, [], settle_s=0, safety_margin_mib=0),
-        overused_mib=0,
-    )
 
 
 def test_one_slot_per_ready_gpu_by_default() -> None:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.unit.domain.builders import NOW
+from tests.unit.domain.strategies import allocation_settings, fleet, gpus, requests, reservations
 from vramshare.domain import (
-    Accounting,
     AllocationRequest,
     AllocationSettings,
     Choice,
@@ -18,75 +19,13 @@ from vramshare.domain import (
     Refusal,
     Reservation,
     ReservationPhase,
-    StaleGpuMode,
     choose,
     has_room_for_its_bookings,
     headroom,
 )
 
-UUIDS = [f"GPU-{i}" for i in range(6)]
 
-
-@st.composite
-def gpus(draw: st.DrawFn) -> Gpu:
-    total = draw(st.integers(1_024, 200_000))
-    used = draw(st.integers(0, total))
-    driver = draw(st.integers(0, total - used))
-    return Gpu(
-        uuid=draw(st.sampled_from(UUIDS)),
-        node=draw(st.sampled_from(["node-a", "node-b"])),
-        index=draw(st.integers(0, 7)),
-        model="fake",
-        total_mib=total,
-        used_mib=used,
-        free_mib=total - used - driver,
-        sampled_at=NOW - draw(st.floats(0, 600)),
-        healthy=draw(st.booleans()) or draw(st.booleans()),
-        missing=draw(st.integers(0, 9)) == 0,
-    )
-
-
-@st.composite
-def reservations(draw: st.DrawFn) -> Reservation:
-    started = draw(st.none() | st.floats(NOW - 1_000, NOW))
-    return Reservation(
-        name=f"r-{draw(st.integers(0, 10**6))}",
-        namespace="ns",
-        pod="p",
-        mib=draw(st.integers(1, 60_000)),
-        node="node-a",
-        gpu_uuid=draw(st.sampled_from(UUIDS)),
-        gpu_index=0,
-        phase=draw(st.sampled_from(list(ReservationPhase))),
-        reserved_at=NOW - 1_000,
-        pod_running_since=started,
-    )
-
-
-def fleet() -> st.SearchStrategy[list[Gpu]]:
-    return st.lists(gpus(), max_size=6, unique_by=lambda g: g.uuid)
-
-
-allocation_settings = st.builds(
-    AllocationSettings,
-    policy=st.sampled_from(list(Policy)),
-    accounting=st.builds(
-        Accounting,
-        safety_margin_mib=st.integers(0, 2_048),
-        settle_s=st.floats(0, 300),
-        max_sample_age_s=st.floats(1, 600),
-        stale_mode=st.sampled_from(list(StaleGpuMode)),
-    ),
-)
-requests = st.builds(
-    AllocationRequest,
-    mib=st.integers(1, 100_000),
-    namespace=st.just("ns"),
-    pod=st.just("p"),
-    nodes=st.none() | st.frozensets(st.sampled_from(["node-a", "node-b", "node-c"]), max_size=2),
-)
-
-
+@pytest.mark.slow
 @given(
     gpu=gpus(),
     ledger=st.lists(reservations(), max_size=12),
@@ -104,6 +43,7 @@ def test_headroom_never_exceeds_either_bound(
     assert room.headroom_mib <= gpu.free_mib - room.unseen_mib - margin
 
 
+@pytest.mark.slow
 @given(
     gpu=gpus(),
     ledger=st.lists(reservations(), max_size=12),
@@ -119,6 +59,7 @@ def test_adding_a_reservation_never_increases_headroom(
     assert after.headroom_mib <= before.headroom_mib
 
 
+@pytest.mark.slow
 @settings(max_examples=300)
 @given(
     request=requests, fleet=fleet(), ledger=st.lists(reservations(), max_size=12), config=allocation_settings
@@ -148,6 +89,7 @@ def test_choice_fits_and_follows_the_policy(
                 assert v.headroom.headroom_mib < request.mib
 
 
+@pytest.mark.slow
 @given(
     request=requests, fleet=fleet(), ledger=st.lists(reservations(), max_size=12), config=allocation_settings
 )
@@ -161,6 +103,7 @@ def test_choose_is_deterministic_under_reordering(
         assert a.gpu.uuid == b.gpu.uuid
 
 
+@pytest.mark.slow
 @settings(max_examples=200)
 @given(
     fleet=fleet(), sizes=st.lists(st.integers(1, 30_000), min_size=1, max_size=30), config=allocation_settings
@@ -195,6 +138,7 @@ def test_admitting_one_after_another_never_overbooks_a_gpu(
             assert booked <= gpu.free_mib - config.accounting.safety_margin_mib
 
 
+@pytest.mark.slow
 @settings(max_examples=500)
 @given(
     gpu=gpus(),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -142,6 +143,7 @@ def test_pinned_waiting_pods_only_go_to_their_nodes() -> None:
     assert [c.gpu.uuid for _, c in plan.placements] == ["GPU-b"]
 
 
+@pytest.mark.slow
 @settings(max_examples=200, deadline=None)
 @given(
     totals=st.lists(st.sampled_from([8_000, 16_000, 40_000]), min_size=1, max_size=4),
@@ -228,6 +230,7 @@ def test_fair_share_orders_namespaces_by_weighted_memory_held_and_oldest_first_w
     assert [w.key for w, _ in plan.placements] == ["a/1", "a/2"]  # then a and b tie: the older
 
 
+@pytest.mark.slow
 def test_two_namespaces_of_weights_1_and_3_flooding_a_small_fleet_get_memory_seconds_1_to_3() -> None:
     """Both keep 30 pods waiting for 1800 simulated seconds on two 40 GB GPUs; pods of 2000 to 6000
     MiB run 20 to 60 s. Placed memory-seconds come within 10% of 1:3."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -14,6 +15,7 @@ from vramshare.domain.shards import ReplicaRoster, dealt_to
 names = st.text(alphabet="abcdefghij-0123456789", min_size=1, max_size=12)
 
 
+@pytest.mark.slow
 @given(
     gpus=st.sets(names.map(lambda s: f"GPU-{s}"), min_size=1, max_size=40),
     replicas=st.sets(names, min_size=2, max_size=8),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -49,6 +50,7 @@ def bookings(draw: st.DrawFn) -> Reservation:
     )
 
 
+@pytest.mark.slow
 @settings(max_examples=300)
 @given(changes=st.lists(st.tuples(st.sampled_from(KEYS), st.none() | bookings()), max_size=40))
 def test_the_index_holdings_agree_with_summing_the_ledger(
@@ -121,6 +123,7 @@ def check(
     )
 
 
+@pytest.mark.slow
 @given(
     held=st.integers(0, 100_000),
     mib=st.integers(1, 100_000),

@@ -47,6 +47,7 @@ def test_a_bad_heartbeat_is_refused_naming_the_field(raw: str, names: str) -> No
     assert lease_heartbeat(lease) is None  # ignored: stored sample times apply
 
 
+@pytest.mark.slow
 @given(st.text(max_size=200))
 def test_any_annotation_value_is_read_or_refused_never_crashes(raw: str) -> None:
     with contextlib.suppress(ValueError):

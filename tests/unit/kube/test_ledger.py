@@ -159,7 +159,7 @@ async def test_a_view_behind_a_gpus_token_is_not_handed_out(
 ) -> None:
     """A token that names a reservation the stream has not delivered yet: wait, then read consistently."""
     kube, ledger = running
-    monkeypatch.setattr("vramshare.kube.ledger.CATCH_UP_TIMEOUT_S", 0.05)
+    monkeypatch.setattr("vramshare.kube.ledger.view.CATCH_UP_TIMEOUT_S", 0.05)
     await kube.merge_patch(DEVICE, {"metadata": {"annotations": {ANNOTATION_LEDGER: "jobs/ahead@999999"}}})
     await settle()
     before = lists(kube)
@@ -526,7 +526,7 @@ async def test_the_committed_label_is_retried_and_a_shutdown_waits_for_it(
     running: tuple[FakeKube, KubeLedger], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     kube, ledger = running
-    monkeypatch.setattr("vramshare.kube.ledger.LABEL_BACKOFF_S", 0.05)
+    monkeypatch.setattr("vramshare.kube.ledger.commit.LABEL_BACKOFF_S", 0.05)
     failures = [2]
 
     def flaky(op: str, path: str) -> Exception | None:
@@ -549,7 +549,7 @@ async def test_a_label_that_keeps_failing_is_given_up_and_drain_is_bounded(
     running: tuple[FakeKube, KubeLedger], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     kube, ledger = running
-    monkeypatch.setattr("vramshare.kube.ledger.LABEL_BACKOFF_S", 10.0)
+    monkeypatch.setattr("vramshare.kube.ledger.commit.LABEL_BACKOFF_S", 10.0)
     kube.fail = lambda op, path: (
         ApiError(status=503, reason="ServiceUnavailable", message="down")
         if op == "merge_patch" and "/gpureservations/" in path

@@ -2,147 +2,21 @@
 
 from __future__ import annotations
 
-import asyncio
-import base64
 import copy
-import json
 from dataclasses import replace
 from typing import Any
 
 import pytest
 
 from tests.unit.domain.builders import NOW, gpu
+from tests.unit.webhook.fakes import MemoryLedger, admitter, airflow, delivering, patch_of, request, with_spec
 from vramshare.domain import Accounting, ReservationPhase
-from vramshare.domain.snapshot import CommitConflictError, Snapshot
-from vramshare.kube.objects import GpuReservation
 from vramshare.settings import SettingsError
 from vramshare_webhook import review as rv
 from vramshare_webhook.admission import Admitter, ClusterView
 from vramshare_webhook.delivery import DeliveryMode
 from vramshare_webhook.metrics import WebhookMetrics
 from vramshare_webhook.settings import WebhookSettings
-
-
-class MemoryLedger:
-    def __init__(self, *, conflicts: int = 0, fail: Exception | None = None) -> None:
-        self.gpus = (gpu("GPU-a", total=16_384), gpu("GPU-b", index=1, total=8_192))
-        self.objects: list[GpuReservation] = []
-        self.conflicts = conflicts
-        self.fail = fail
-        self.fresh_reads = 0
-        self.carried: set[str] = set()
-        """Reservations some pod already carries."""
-        self.hang_commit = False
-        self.rate = 0.0
-        """MiB per second freed lately (for Retry-After)."""
-        self.conflict_on: set[str] = set()
-        """GPUs whose next commit loses its race (once each)."""
-        self.withdrawn: list[str] = []
-        self.in_view: set[str] = set()
-        """Bookings put into the view ahead of their commits (a set's)."""
-        self.pods: set[str] = set()
-        """Names of pods that exist."""
-
-    async def snapshot(self, *, fresh: bool = False) -> Snapshot:
-        self.fresh_reads += fresh
-        if self.fail:
-            raise self.fail
-        return Snapshot(
-            gpus=self.gpus,
-            reservations=tuple(o.to_domain() for o in self.objects),
-            tokens={g.uuid: "1" for g in self.gpus},
-        )
-
-    async def get_reservation(self, namespace: str, name: str) -> GpuReservation | None:
-        return next((o for o in self.objects if o.name == name), None)
-
-    async def claim_reinvocation(self, reservation: GpuReservation, *, claimant: str) -> bool:
-        current = next(o for o in self.objects if o.name == reservation.name)
-        if "vramshare.io/reinvoked-by" in current.meta.annotations:
-            return False
-        claimed = replace(
-            current, meta=replace(current.meta, annotations={"vramshare.io/reinvoked-by": claimant})
-        )
-        self.objects = [claimed if o is current else o for o in self.objects]
-        return True
-
-    async def pod_carries(self, namespace: str, reservation: str) -> bool:
-        return reservation in self.carried
-
-    async def pod_exists(self, namespace: str, name: str) -> bool:
-        return name in self.pods
-
-    async def pod_labels(self, namespace: str) -> set[str]:
-        return set(self.carried)
-
-    async def active_holds(self) -> list[GpuReservation]:
-        return [o for o in self.objects if o.held_for and o.phase.is_active]
-
-    async def commit(self, *, reservation: GpuReservation, token: str, live: bool = False) -> GpuReservation:
-        if self.hang_commit:
-            await asyncio.sleep(3600)
-        if self.conflicts:
-            self.conflicts -= 1
-            raise CommitConflictError("moved")
-        if reservation.spec.gpu_uuid in self.conflict_on:
-            self.conflict_on.discard(reservation.spec.gpu_uuid)
-            await asyncio.sleep(0)  # the other GPU's commit lands first
-            raise CommitConflictError("moved")
-        created = replace(reservation, meta=replace(reservation.meta, created_at=NOW))
-        self.objects.append(created)
-        return created
-
-    async def enqueue(self, reservation: GpuReservation) -> GpuReservation:
-        return await self.commit(reservation=reservation, token="")
-
-    def decided(self, reservation: GpuReservation) -> None:
-        self.in_view.add(reservation.name)
-
-    def undecided(self, reservation: GpuReservation) -> None:
-        self.in_view.discard(reservation.name)
-
-    async def withdraw(self, created: GpuReservation) -> None:
-        self.withdrawn.append(created.name)
-        self.objects = [o for o in self.objects if o.name != created.name]
-
-    async def withdraw_hold(self, namespace: str, name: str) -> None:
-        self.objects = [o for o in self.objects if o.name != name]
-
-    def release_rate(self, gpu_uuid: str | None = None) -> float:
-        return self.rate
-
-
-def request(mib: str | None = "4096", *, uid: str = "u1", dry_run: bool = False, **meta: Any) -> rv.Request:
-    annotations = {"gpu-mem-mb": mib} if mib is not None else {}
-    annotations.update(meta.pop("annotations", {}))
-    pod = {
-        "metadata": {"name": "task", "annotations": annotations, **meta},
-        "spec": {"containers": [{"name": "base", "image": "x"}]},
-    }
-    return rv.Request(
-        uid=uid,
-        operation="CREATE",
-        namespace="airflow",
-        name="task",
-        kind="Pod",
-        object=pod,
-        old_object=None,
-        dry_run=dry_run,
-        username="airflow",
-    )
-
-
-def admitter(ledger: MemoryLedger, **settings: Any) -> Admitter:
-    return Admitter(
-        settings=WebhookSettings(accounting=Accounting(safety_margin_mib=0), **settings),
-        ledger=ledger,
-        metrics=WebhookMetrics(),
-        clock=lambda: NOW,
-    )
-
-
-def patch_of(review: rv.Review) -> list[dict[str, Any]]:
-    return json.loads(base64.b64decode(review["response"]["patch"]))  # type: ignore[no-any-return]
 
 
 async def test_admits_and_commits_one_reservation() -> None:
@@ -346,6 +220,7 @@ async def test_unannotated_pods_are_hidden_or_left_alone() -> None:
     assert "patch" not in untouched["response"]
 
 
+@pytest.mark.slow
 async def test_internal_failure_is_a_well_formed_errored_answer() -> None:
     review = await admitter(MemoryLedger(fail=RuntimeError("API server unreachable"))).review(
         request(uid="u7")
@@ -483,10 +358,6 @@ async def test_a_reinvocation_of_a_queued_pod_keeps_its_one_entry() -> None:
     # A third pass (a copy: the API server reinvokes once) gets an entry of its own.
     await webhook.review(request("8000", uid="u3", annotations=annotations))
     assert len(ledger.objects) == 2
-
-
-def airflow(task: str, try_number: int = 1) -> dict[str, str]:
-    return {"dag_id": "train", "task_id": task, "run_id": "manual-1", "try_number": str(try_number)}
 
 
 async def test_a_refused_large_task_seen_retrying_gets_a_hold_that_only_its_next_try_may_use() -> None:
@@ -701,12 +572,6 @@ async def test_a_bad_gpu_count_is_a_400_naming_it(value: str) -> None:
     assert "between 1 and 2" in status["message"]
 
 
-def with_spec(req: rv.Request, **spec: Any) -> rv.Request:
-    pod = copy.deepcopy(req.object)
-    pod["spec"].update(spec)
-    return replace(req, object=pod)
-
-
 async def test_a_zero_device_plugin_request_does_not_escape_hiding() -> None:
     zero = [{"name": "base", "image": "x", "resources": {"limits": {"nvidia.com/gpu": "0"}}}]
     hidden = await admitter(MemoryLedger()).review(with_spec(request(None), containers=zero))
@@ -881,18 +746,6 @@ async def test_the_refusal_choice_reads_any_body_without_failing(metadata: Any) 
     review = await admitter(MemoryLedger()).review(req)
     assert review["response"]["uid"] == "u1"
     assert review["response"]["allowed"] in (True, False)
-
-
-def delivering(ledger: MemoryLedger, *, label: str | None = None, **settings: Any) -> Admitter:
-    return Admitter(
-        settings=WebhookSettings(accounting=Accounting(safety_margin_mib=0), **settings),
-        ledger=ledger,
-        metrics=WebhookMetrics(),
-        clock=lambda: NOW,
-        cluster=ClusterView(
-            namespace_labels=lambda namespace: {"vramshare.io/delivery": label} if label else {}
-        ),
-    )
 
 
 async def test_runtime_class_mode_sets_the_class_and_refuses_another() -> None:

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from structlog.testing import capture_logs
 
-from tests.unit.webhook.test_admission import MemoryLedger, admitter
+from tests.unit.webhook.fakes import MemoryLedger, admitter
 from vramshare_webhook import review as rv
 from vramshare_webhook.app import create_app
 
@@ -62,6 +63,7 @@ async def test_guards_answer_400_and_the_server_keeps_serving() -> None:
         assert "vramshare_webhook_decision_seconds_bucket" in metrics
 
 
+@pytest.mark.slow
 async def test_internal_failure_still_answers_a_review_with_the_uid() -> None:
     app = create_app(admitter=admitter(MemoryLedger(fail=ConnectionError("no route"))), ready=lambda: True)
     async with TestClient(TestServer(app)) as http:

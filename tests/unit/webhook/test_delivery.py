@@ -10,8 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tests.unit.domain.builders import NOW
-from tests.unit.webhook.test_admission import MemoryLedger, admitter, delivering, patch_of, request, with_spec
-from tests.unit.webhook.test_pod import apply
+from tests.unit.webhook.fakes import MemoryLedger, admitter, apply, delivering, patch_of, request, with_spec
 from vramshare.domain import Accounting
 from vramshare.domain.delivery_check import MODES
 from vramshare_webhook.admission import Admitter, ClusterView

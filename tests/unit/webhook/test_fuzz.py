@@ -10,16 +10,18 @@ import time
 from collections import Counter
 from typing import Any
 
+import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from hypothesis import HealthCheck, given, settings
 
 from tests import hostile_reviews
-from tests.unit.webhook.test_admission import MemoryLedger, admitter
+from tests.unit.webhook.fakes import MemoryLedger, admitter
 from vramshare_webhook.app import create_app
 
 CASES = int(os.environ.get("VRAMSHARE_FUZZ_CASES", "10000"))
 
 
+@pytest.mark.slow
 def test_hostile_reviews_get_a_review_or_a_400_never_a_500() -> None:
     loop = asyncio.new_event_loop()
     app = create_app(admitter=admitter(MemoryLedger()), ready=lambda: True)

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from tests.unit.webhook.fakes import apply
 from vramshare_webhook.pod import (
     Placement,
     hide_gpus_patch,
@@ -20,23 +21,6 @@ from vramshare_webhook.pod import (
 )
 
 PLACE = Placement(reservation="task-1-abcd", gpu_uuid="GPU-1", gpu_index=2, node="gpu-node-a")
-
-
-def apply(doc: dict[str, Any], ops: list[dict[str, Any]]) -> dict[str, Any]:
-    """A minimal JSON Patch 'add' (all we emit), resolving RFC 6901 pointers."""
-    doc = copy.deepcopy(doc)
-    for op in ops:
-        assert op["op"] == "add"
-        parts = [p.replace("~1", "/").replace("~0", "~") for p in op["path"].split("/")[1:]]
-        target = doc
-        for part in parts[:-1]:
-            target = target[int(part)] if isinstance(target, list) else target.setdefault(part, {})
-        last = parts[-1]
-        if isinstance(target, list):
-            target.insert(int(last), op["value"])
-        else:
-            target[last] = op["value"]
-    return doc
 
 
 def pod(**spec: Any) -> dict[str, Any]:

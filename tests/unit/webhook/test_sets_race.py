@@ -12,7 +12,7 @@ import pytest_asyncio
 
 from tests.unit.domain.builders import NOW, gpu
 from tests.unit.fake_kube import FakeKube, add_idle_gpu
-from tests.unit.webhook.test_admission import request
+from tests.unit.webhook.fakes import request
 from vramshare.domain import Accounting
 from vramshare.kube.ledger import KubeLedger
 from vramshare.kube.resources import reservations_path

@@ -10,7 +10,7 @@ from decimal import Decimal
 from typing import Any
 
 from tests.unit.domain.builders import gpu
-from tests.unit.webhook.test_admission import MemoryLedger, airflow, patch_of, request
+from tests.unit.webhook.fakes import MemoryLedger, airflow, patch_of, request
 from vramshare.domain import Accounting, ReservationPhase
 from vramshare.kube.objects import GpuReservation
 from vramshare_webhook import review as rv

@@ -1,5 +1,5 @@
 """Step 5d, commit: a pod's bookings written to the ledger, each on its GPU's token, all or nothing
-(see the commit protocol in `vramshare.kube.ledger`)."""
+(see the commit protocol in `vramshare.kube.ledger.commit`)."""
 
 from __future__ import annotations
 
