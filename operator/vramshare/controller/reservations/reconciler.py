@@ -1,38 +1,32 @@
-"""The reservation reconciler: each GpuReservation kept in step with its pod.
-
-`plan()` is pure: from the reservation, what is known of its pod, whether its GPU is missing and the
-time, it returns the status to write, the event to post on the pod and whether to delete the
-reservation.
-
-`ReservationReconciler` applies plans: for every reservation on a sweep, and at once for a pod event.
-
-No ownerReference is written (issue #31): it was a second write per admitted pod (status is a
-subresource, so it could not share the Bound status's), and all it did is now done here: a booking
-is deleted once the pod it was bound to is gone, and its finalizer (set at creation) keeps it
-counting until then however it is deleted.
-"""
+"""The reservation reconciler: applies the lifecycle's plan (`plan`) to each GpuReservation, for every
+booking on a sweep, and at once for a pod event or when a booking's wait runs out (`timers`)."""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Coroutine
-from dataclasses import dataclass, replace
-from typing import Any, Literal
+from collections.abc import Callable
+from dataclasses import replace
 
 import structlog
 
 from vramshare.controller.metrics import ControllerMetrics
+from vramshare.controller.reservations.plan import ABSENCE, Plan, plan, pod_sighting
+from vramshare.controller.reservations.timers import Checks, KeyedTimers
+from vramshare.controller.reservations.wording import (
+    booked_past_capacity_note,
+    deletion_waits,
+    involving,
+    not_yours,
+    on_pod,
+    unschedulable,
+)
 from vramshare.controller.settings import ControllerSettings
 from vramshare.controller.state import ClusterState
 from vramshare.domain import (
     PodSighting,
-    PodState,
     ReservationPhase,
-    Transition,
-    due_for_cleanup,
     genuine_pod,
-    next_phase,
 )
 from vramshare.domain.headroom import booked_past_capacity
 from vramshare.domain.inventory import GpuPresence
@@ -42,245 +36,18 @@ from vramshare.kube.conditional import read_reservation
 from vramshare.kube.events import Event, Involved, post_event
 from vramshare.kube.objects import (
     GpuReservation,
-    ReservationStatus,
     remove_finalizer,
 )
 from vramshare.kube.resources import (
-    ANNOTATION_GPU_UUID,
-    API_VERSION,
     FINALIZER_POD_GONE,
     LABEL_ACTIVE,
     LABEL_RESERVATION,
     LABEL_SET,
     device_name,
-    parse_time,
     reservations_path,
 )
 
 log = structlog.get_logger("vramshare.controller")
-
-
-def pod_sighting(pod: Obj) -> PodSighting:
-    """What the lifecycle needs of a pod carrying a reservation's label."""
-    meta, status = pod["metadata"], pod.get("status") or {}
-    starts = []
-    for c in status.get("containerStatuses") or []:
-        state = c.get("state") or {}
-        started = (state.get("running") or state.get("terminated") or {}).get("startedAt")
-        if started:
-            starts.append(parse_time(started))
-    phase = str(status.get("phase") or "Pending")
-    scheduled: Obj = next((c for c in status.get("conditions") or [] if c.get("type") == "PodScheduled"), {})
-    unschedulable = scheduled.get("status") == "False" and scheduled.get("reason") == "Unschedulable"
-    return PodSighting(
-        unschedulable_since=parse_time(scheduled.get("lastTransitionTime")) or 0.0 if unschedulable else None,
-        unschedulable_message=str(scheduled.get("message") or "") if unschedulable else "",
-        name=meta["name"],
-        uid=meta["uid"],
-        created_at=parse_time(meta.get("creationTimestamp")) or 0.0,
-        state=PodState.FINISHED if phase in ("Succeeded", "Failed") else PodState.ACTIVE,
-        running_since=min((s for s in starts if s is not None), default=None),
-        gpu_uuid=(meta.get("annotations") or {}).get(ANNOTATION_GPU_UUID),
-    )
-
-
-@dataclass(frozen=True, kw_only=True)
-class Plan:
-    status: ReservationStatus | None = None
-    """The status to write; None when it stays as it is."""
-    transition: Transition | None = None
-    event: Event | None = None
-    event_on_reservation: bool = False
-    """Post the event on the GpuReservation (its pod never appeared) instead of the pod."""
-    delete: bool = False
-    active_label: str | None = None
-    """The vramshare.io/active label to write ("false" once ended, so the webhook's LIST skips it;
-    "true" again for a booking that counts again); None to leave it."""
-    finalizer: Literal["add", "remove"] | None = None
-    """vramshare's finalizer: added to a booking that lacks it (made before it existed, or by hand);
-    removed from a deleted one once it has ended, which lets it go."""
-    deletion_waits: bool = False
-    """It was deleted while its pod may still hold the memory: it stays, and counts, until then."""
-    bind_at: float | None = None
-    """Binding waits for its pod to run until then (see `_binds_later`); nothing is written now."""
-
-    @property
-    def empty(self) -> bool:
-        return not (self.status or self.event or self.delete or self.active_label or self.finalizer)
-
-
-def _event(res: GpuReservation, transition: Transition) -> Event | None:
-    spec = res.spec
-    gpu = (
-        f"{spec.gpu_uuid} ({spec.node_name}, index {spec.gpu_index})"
-        if spec.placed
-        else "no GPU yet (queued)"
-    )
-    match transition.reason:
-        case "PodBound":
-            return Event(
-                type="Normal", reason="GpuReserved", message=f"Reserved {spec.memory_mib} MiB on {gpu}"
-            )
-        case "GpuMissing":
-            return Event(
-                type="Warning",
-                reason="GpuLost",
-                message=f"GPU {gpu} is no longer reported by DCGM; the reservation of {spec.memory_mib} MiB "
-                "is kept while the pod runs and counts again when the GPU returns",
-            )
-        case "GpuReturned":
-            return Event(type="Normal", reason="GpuReturned", message=f"GPU {gpu} is reported by DCGM again")
-        case "PodAppearedLate":
-            return Event(
-                type="Warning",
-                reason="GpuReservedLate",
-                message=f"The pod appeared after its reservation of {spec.memory_mib} MiB on {gpu} had "
-                "expired; the reservation counts again (check the GPU for overuse)",
-            )
-        case "PodNeverCreated":
-            return Event(
-                type="Warning",
-                reason="PodNeverCreated",
-                message=f"No pod {res.namespace}/{spec.pod_name} appeared for this reservation of "
-                f"{spec.memory_mib} MiB on {gpu}: {transition.message}; the memory is free again",
-            )
-        case "PodFinished" | "PodDeleted":
-            return Event(
-                type="Normal",
-                reason="GpuReleased",
-                message=f"Released {spec.memory_mib} MiB on {spec.gpu_uuid or 'no GPU yet (queued)'} "
-                f"({transition.message})",
-            )
-        case _:
-            return None
-
-
-def _involving(res: GpuReservation) -> Involved:
-    """The GpuReservation itself as an event's object (for what happens to it with no pod to tell)."""
-    return Involved(
-        api_version=API_VERSION,
-        kind="GpuReservation",
-        name=res.name,
-        uid=res.meta.uid,
-        namespace=res.namespace,
-    )
-
-
-def plan(
-    *,
-    res: GpuReservation,
-    pod: PodSighting | None,
-    gpu_missing: bool,
-    now: float,
-    ttl_s: float,
-    retention_s: float,
-    hold_limit_s: float = float("inf"),
-    bind_wait_s: float = 0.0,
-    pod_deleted: bool = False,
-) -> Plan:
-    """What to write for `res` now. `pod_deleted`: its pod's deletion was just seen (it may have gone
-    before its booking was bound: see `bind_wait_s`)."""
-    current = res.status
-    seen = bool(current.pod_uid) or pod_deleted
-    status = current
-    if current.phase is not res.phase:
-        # Make the implicit phase visible to kubectl: Reserved when just committed or placed, Queued
-        # again when a placement was withdrawn.
-        status = replace(status, phase=res.phase)
-    transition = next_phase(
-        phase=res.phase,
-        pod=pod.state if pod is not None else PodState.ABSENT,
-        gpu_missing=gpu_missing,
-        age_s=now - (res.meta.created_at or 0.0),
-        ttl_s=ttl_s,
-        seen=seen,
-        hold_limit_s=hold_limit_s,
-    )
-    if pod is not None and _binds_later(transition, pod, now=now, bind_wait_s=bind_wait_s):
-        return Plan(bind_at=pod.created_at + bind_wait_s)
-    # Open (queued or holding memory): its pod is recorded.
-    active_after = transition.phase.is_open if transition is not None else res.phase.is_open
-    if pod is not None and active_after:
-        if current.pod_uid != pod.uid:
-            status = replace(status, pod_uid=pod.uid)
-        if pod.running_since is not None and current.pod_running_since is None:
-            status = replace(status, pod_running_since=pod.running_since)
-    event, on_reservation = None, False
-    if transition is not None:
-        status = replace(status, phase=transition.phase, reason=transition.reason, message=transition.message)
-        status = replace(status, finished_at=None if transition.phase.is_open else now)
-        if transition.phase is not ReservationPhase.QUEUED:
-            status = replace(status, queue_position=None)  # it left the queue
-        event = _event(res, transition)
-        on_reservation = transition.reason == "PodNeverCreated"
-        if pod is None and not on_reservation:
-            event = None  # no pod to tell
-    if res.meta.deleting:
-        written = status if status != current else None
-        return _deleted(res, status=written, transition=transition, event=event, active_after=active_after)
-    delete = False
-    # The pod it was bound to is gone (deleted now, or after it finished): it goes at once, as it
-    # went through an ownerReference before.
-    pod_gone = pod is None and seen
-    if not active_after and (transition is None or pod_gone):
-        finished = current.finished_at if current.finished_at is not None else (res.meta.created_at or 0.0)
-        delete = due_for_cleanup(
-            phase=transition.phase if transition is not None else res.phase,
-            finished_age_s=now - finished,
-            retention_s=retention_s,
-            pod_gone=pod_gone,
-        )
-    label = None
-    if not active_after and res.labelled_active and not delete:
-        label = "false"
-    elif active_after and not res.labelled_active:
-        label = "true"
-    # Every booking of a pod waits for it to be gone once deleted; a hold has no pod to wait for.
-    missing = active_after and not res.held_for and not res.waits_for_pod_gone
-    return Plan(
-        status=status if status != current else None,
-        transition=transition,
-        event=event,
-        event_on_reservation=on_reservation,
-        delete=delete,
-        active_label=label,
-        finalizer="add" if missing else None,
-    )
-
-
-def _binds_later(transition: Transition | None, pod: PodSighting, *, now: float, bind_wait_s: float) -> bool:
-    """Whether binding waits: its pod has not run yet and was created less than `bind_wait_s` ago. Its
-    start comes with the next pod event, and one status write then says both (issue #31: binding at
-    first sight, then recording the start, was two writes for nearly every pod)."""
-    return (
-        bind_wait_s > 0
-        and transition is not None
-        and transition.reason == "PodBound"
-        and pod.running_since is None
-        and now - pod.created_at < bind_wait_s
-    )
-
-
-def _deleted(
-    res: GpuReservation,
-    *,
-    status: ReservationStatus | None,
-    transition: Transition | None,
-    event: Event | None,
-    active_after: bool,
-) -> Plan:
-    """A reservation whose deletion was requested (its namespace deleted, its pod deleted in the
-    foreground, or by hand) follows the same lifecycle, but writes nothing the deletion makes moot:
-    while it holds memory for a pod that may still run, it stays and counts; once it has ended (its
-    pod gone or finished, or none within the TTL), the finalizer is removed and it goes."""
-    if active_after:
-        # The status still matters here: Reserved -> Bound records the pod it now waits for.
-        return Plan(status=status, transition=transition, event=event, deletion_waits=res.waits_for_pod_gone)
-    return Plan(transition=transition, event=event, finalizer="remove" if res.waits_for_pod_gone else None)
-
-
-_ABSENCE = ("PodDeleted", "PodNeverCreated")
-"""Transitions taken for want of a pod."""
 
 
 class ReservationReconciler:
@@ -301,14 +68,15 @@ class ReservationReconciler:
         self.metrics = metrics
         self.state = state
         self.clock = clock
-        self._deadlines: dict[tuple[str, str], asyncio.TimerHandle] = {}
-        self._binds: dict[tuple[str, str], asyncio.TimerHandle] = {}
+        self._deadlines = KeyedTimers()
+        """Bookings waiting for their pod, with the look due when their TTL runs out."""
+        self._binds = KeyedTimers()
         """Bookings whose binding waits for their pod to run, with the look due when it waits no more."""
-        self._checks: set[asyncio.Task[None]] = set()
+        self._checks = Checks()
         self._announced: set[tuple[str, str]] = set()
+        """(reservation, impostor pod UID) pairs already reported, so each gets one event."""
         self._stuck: dict[str, str] = {}
         """Reservation key -> UID of its pod that has been unschedulable too long (warned once)."""
-        """(reservation, impostor pod UID) pairs already reported, so each gets one event."""
 
     async def run(self, *, presence: Callable[[], GpuPresence]) -> None:
         """Sweep every lifecycle interval, with the inventory's latest word on which GPUs are gone."""
@@ -320,10 +88,8 @@ class ReservationReconciler:
                     log.warning("reservation sweep failed", error=str(exc))
                 await asyncio.sleep(self.settings.lifecycle_interval_s)
         finally:
-            for handle in (*self._deadlines.values(), *self._binds.values()):
-                handle.cancel()
-            self._deadlines.clear()
-            self._binds.clear()
+            self._deadlines.cancel_all()
+            self._binds.cancel_all()
 
     async def sweep(self, *, presence: GpuPresence) -> int:
         """Check every reservation against its pod, from the watch caches; returns how many changed.
@@ -383,25 +149,18 @@ class ReservationReconciler:
         if res.meta.deleting and res.waits_for_pod_gone:
             # Deleted: look now whether its pod is gone, so it (and its namespace) go without waiting
             # for the next sweep; if the pod still runs, its pod's events bring the next look.
-            if key in self._deadlines:
-                self._deadlines.pop(key).cancel()
-            self._spawn(self._look_again(key, presence()))
+            self._deadlines.cancel(key)
+            self._checks.spawn(self._look_again(key, presence()))
             return
         if not res.labelled_active:
             return
         waiting = res.phase in (ReservationPhase.RESERVED, ReservationPhase.QUEUED) and not res.status.pod_uid
         if not waiting or key in self._deadlines:
-            if not waiting and key in self._deadlines:
-                self._deadlines.pop(key).cancel()
+            if not waiting:
+                self._deadlines.cancel(key)
             return
         delay = max(0.0, (res.meta.created_at or 0.0) + self.settings.reservation_ttl_s - self.clock()) + 0.5
-        loop = asyncio.get_running_loop()
-
-        def due() -> None:
-            self._deadlines.pop(key, None)
-            self._spawn(self._look_again(key, presence()))
-
-        self._deadlines[key] = loop.call_later(delay, due)
+        self._deadlines.arm(key, delay, lambda: self._checks.spawn(self._look_again(key, presence())))
 
     def _bind_later(
         self, res: GpuReservation, pod: PodSighting, *, at: float, now: float, presence: GpuPresence
@@ -413,25 +172,21 @@ class ReservationReconciler:
             return
 
         def due() -> None:
-            self._binds.pop(key, None)
             current = self.state.reservations.items.get(res.key)
             pod_now = self.state.pods.items.get(f"{res.namespace}/{pod.name}")
             if current is None or current.status.pod_uid:
                 return  # gone, or bound meanwhile
-            self._spawn(self._reconcile_quietly(current, [pod_now] if pod_now is not None else [], presence))
+            self._checks.spawn(
+                self._reconcile_quietly(current, [pod_now] if pod_now is not None else [], presence)
+            )
 
-        self._binds[key] = asyncio.get_running_loop().call_later(max(0.0, at - now) + 0.1, due)
+        self._binds.arm(key, max(0.0, at - now) + 0.1, due)
 
     async def _reconcile_quietly(self, res: GpuReservation, pods: list[Obj], presence: GpuPresence) -> None:
         try:
             await self.reconcile(res, pods, presence=presence, confirm_absence=True)
         except Exception as exc:  # the sweep catches it later
             log.warning("reservation check failed", reservation=res.key, error=str(exc))
-
-    def _spawn(self, check: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.get_running_loop().create_task(check)
-        self._checks.add(task)
-        task.add_done_callback(self._checks.discard)
 
     async def _look_again(self, key: tuple[str, str], presence: GpuPresence) -> None:
         try:
@@ -490,7 +245,7 @@ class ReservationReconciler:
             return False
         if the_plan.transition is not None and the_plan.transition.reason == "PodAppearedLate":
             the_plan = self._late_on_a_full_gpu(res, the_plan)
-        if confirm_absence and the_plan.transition is not None and the_plan.transition.reason in _ABSENCE:
+        if confirm_absence and the_plan.transition is not None and the_plan.transition.reason in ABSENCE:
             listed = await self.kube.list(
                 f"/api/v1/namespaces/{res.namespace}/pods",
                 label_selector=f"{LABEL_RESERVATION}={res.pod_label}",
@@ -501,7 +256,7 @@ class ReservationReconciler:
             # It changed under us (another write of ours, or someone else's): look again on a fresh
             # read now, rather than leave a due transition to the next sweep.
             if the_plan.transition is not None or the_plan.finalizer == "remove":
-                self._spawn(self._look_again((res.namespace, res.name), presence))
+                self._checks.spawn(self._look_again((res.namespace, res.name), presence))
             return False
         if the_plan.transition is not None:
             self.metrics.transitions.labels(the_plan.transition.phase.value, the_plan.transition.reason).inc()
@@ -543,12 +298,9 @@ class ReservationReconciler:
             gpu=gpu.uuid,
             over_mib=over,
         )
-        message = (
-            f"{the_plan.event.message}. GPU {gpu.label} is now booked {over} MiB past what it can hold "
-            "(memory given to others while this booking had expired): no pod is admitted there until "
-            "that much frees; vramshare evicts nothing"
+        return replace(
+            the_plan, event=booked_past_capacity_note(the_plan.event, gpu_label=gpu.label, over_mib=over)
         )
-        return replace(the_plan, event=replace(the_plan.event, message=message))
 
     async def _check_schedulable(self, res: GpuReservation, pod: PodSighting | None, *, now: float) -> None:
         """Warn once (event and gauge) when a booking's pod stays unschedulable: its memory is held for
@@ -565,25 +317,8 @@ class ReservationReconciler:
         self.metrics.unschedulable_pods.set(len(set(self._stuck.values())))
         if told:
             return
-        spec = res.spec
-        log.warning("booked pod unschedulable", reservation=res.key, pod=pod.name, node=spec.node_name)
-        await post_event(
-            self.kube,
-            namespace=res.namespace,
-            involved=Involved(
-                api_version="v1", kind="Pod", name=pod.name, uid=pod.uid, namespace=res.namespace
-            ),
-            event=Event(
-                type="Warning",
-                reason="GpuPodUnschedulable",
-                message=f"The pod has not been schedulable for {after_s:g} s onto node {spec.node_name}, "
-                f"where its {spec.memory_mib} MiB are booked on GPU {spec.gpu_uuid}; the memory stays booked "
-                "until the pod is deleted. The scheduler says: "
-                f"{pod.unschedulable_message or 'no reason given'}",
-            ),
-            now=now,
-            reporter=self.settings.identity,
-        )
+        log.warning("booked pod unschedulable", reservation=res.key, pod=pod.name, node=res.spec.node_name)
+        await self._post(res, on_pod(res, pod), unschedulable(res, pod, after_s=after_s), now=now)
 
     async def _announce_deletion_wait(
         self, res: GpuReservation, pod: PodSighting | None, *, now: float
@@ -594,45 +329,17 @@ class ReservationReconciler:
         if key in self._announced:
             return
         self._announced.add(key)
-        whose = f"pod {pod.name}" if pod is not None else f"pod {res.spec.pod_name}, if it appears,"
-        message = (
-            f"Deletion requested; the {res.spec.memory_mib} MiB on {res.spec.gpu_uuid or 'no GPU yet'} stay "
-            f"booked until {whose} has terminated (finalizer {FINALIZER_POD_GONE})"
-        )
         log.info("deleted booking waits for its pod", reservation=res.key, pod=pod.name if pod else None)
-        await post_event(
-            self.kube,
-            namespace=res.namespace,
-            involved=_involving(res),
-            event=Event(type="Normal", reason="ReleaseWaitsForPod", message=message),
-            now=now,
-            reporter=self.settings.identity,
-        )
+        await self._post(res, involving(res), deletion_waits(res, pod), now=now)
 
     async def _announce_impostor(self, res: GpuReservation, impostor: PodSighting, *, now: float) -> None:
         key = (res.key, impostor.uid)
         if key in self._announced:
             return
         self._announced.add(key)
-        uid = res.status.pod_uid
-        owner = f"the pod with UID {uid}" if uid else f"pod {res.spec.pod_name}"
-        message = (
-            f"Pod {impostor.name} carries label {LABEL_RESERVATION}={res.pod_label}, but reservation "
-            f"{res.name} of {res.spec.memory_mib} MiB on {res.spec.gpu_uuid} belongs to {owner}; the label "
-            "is ignored and this pod has no GPU memory booked"
-        )
         log.warning("impostor pod ignored", reservation=res.key, pod=impostor.name)
         self.metrics.impostor_pods.inc()
-        await post_event(
-            self.kube,
-            namespace=res.namespace,
-            involved=Involved(
-                api_version="v1", kind="Pod", name=impostor.name, uid=impostor.uid, namespace=res.namespace
-            ),
-            event=Event(type="Warning", reason="ReservationNotYours", message=message),
-            now=now,
-            reporter=self.settings.identity,
-        )
+        await self._post(res, on_pod(res, impostor), not_yours(res, impostor), now=now)
 
     async def _apply(
         self, res: GpuReservation, *, pod: PodSighting | None, the_plan: Plan, now: float
@@ -698,19 +405,17 @@ class ReservationReconciler:
         if the_plan.event is None:
             return True
         if the_plan.event_on_reservation:
-            involved = _involving(res)
+            await self._post(res, involving(res), the_plan.event, now=now)
         elif pod is not None:
-            involved = Involved(
-                api_version="v1", kind="Pod", name=pod.name, uid=pod.uid, namespace=res.namespace
-            )
-        else:
-            return True
+            await self._post(res, on_pod(res, pod), the_plan.event, now=now)
+        return True
+
+    async def _post(self, res: GpuReservation, involved: Involved, event: Event, *, now: float) -> None:
         await post_event(
             self.kube,
             namespace=res.namespace,
             involved=involved,
-            event=the_plan.event,
+            event=event,
             now=now,
             reporter=self.settings.identity,
         )
-        return True
