@@ -3,8 +3,6 @@ its claim by a reinvocation, whether a pod exists or carries a booking, the hold
 
 from __future__ import annotations
 
-import structlog
-
 from vramshare.kube.client import list_all
 from vramshare.kube.conditional import annotate_unchanged, annotations_of, get_or_none, read_reservation
 from vramshare.kube.ledger.view import ACTIVE, LedgerView
@@ -16,8 +14,6 @@ from vramshare.kube.resources import (
     pod_path,
     reservations_path,
 )
-
-log = structlog.get_logger("vramshare.ledger")
 
 
 class LedgerLookups(LedgerView):
