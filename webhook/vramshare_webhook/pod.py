@@ -1,35 +1,23 @@
-"""Reading and patching pod specs: pure functions over the pod as the API server sends it.
-
-The patch pins a pod to its GPU: `NVIDIA_VISIBLE_DEVICES=<UUID>` and `CUDA_VISIBLE_DEVICES=0` in every
-container and init container (replacing values the user set, never duplicating an entry), a required
-node affinity to the GPU's node ANDed into every existing term (a pod with several GPUs on one node gets
-their UUIDs as a list and `CUDA_VISIBLE_DEVICES=0,...,N-1`), and vramshare's annotations (which
-replace any `vramshare.io/*` annotation the user wrote) plus the label `vramshare.io/reservation`, by
-which the controller lists GPU pods. Whole lists and maps are replaced in one
-operation each, which is simpler to get right than editing entries in place.
+"""Reading a pod: pure functions over the pod as the API server sends it. `read_pod` reads once what a
+decision needs (`PodFacts`); what vramshare writes back is `vramshare_webhook.pod_patch`.
 """
 
 from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from vramshare.domain.request import COUNT_ANNOTATION
 from vramshare.domain.scheduling import NodeRules
 from vramshare.kube.pods import (
-    ANNOTATED_GUARDRAILS,
     GUARDRAILS_ANNOTATION,
     KUEUE_GATE,
     KUEUE_QUEUE_LABEL,
     MODEL_ANNOTATION,
-    QUEUE_GATE,
-    affinity_on,
     node_rules,
     other_gates,
     pinned_nodes,
-    placement_annotations,
 )
 from vramshare.kube.resources import (
     ANNOTATION_GPU_INDEX,
@@ -37,17 +25,13 @@ from vramshare.kube.resources import (
     ANNOTATION_NODE,
     ANNOTATION_PREFIX,
     ANNOTATION_RESERVATION,
-    LABEL_RESERVATION,
     is_object_name,
 )
 from vramshare_webhook.delivery import (
-    DEVICE_LIST_VOLUME,
-    device_mounts,
-    foreign_device_mounts,
     foreign_gpu_requests,
     is_device_mount,
 )
-from vramshare_webhook.patching import CONTAINER_LISTS, Obj, Operation, pointer
+from vramshare_webhook.patching import CONTAINER_LISTS, Obj
 from vramshare_webhook.patching import containers as _containers
 
 VISIBLE_DEVICES = "NVIDIA_VISIBLE_DEVICES"
@@ -57,7 +41,7 @@ runtime in CDI mode (GPU Operator 25.10+'s runtime class, or its default runtime
 default) turns "none" into the CDI device nvidia.com/gpu=none, which the specs nvidia-ctk writes do not
 name, and the container fails to start ("unresolvable CDI devices"); "void" it reads as no request at
 all (internal/config/image/cuda_image.go), as the legacy hook does."""
-_GPU_UUID = re.compile(r"^(GPU|MIG)-[A-Za-z0-9-]{1,124}$", re.ASCII)
+GPU_UUID = re.compile(r"^(GPU|MIG)-[A-Za-z0-9-]{1,124}$", re.ASCII)
 """A GPU UUID as NVIDIA writes it (GPU-<uuid>), as found in a pod's vramshare.io/gpu-uuid."""
 CUDA_DEVICES = "CUDA_VISIBLE_DEVICES"
 
@@ -171,17 +155,6 @@ def _zero(quantity: object) -> bool:
     return match is not None and float(match.group(1)) == 0
 
 
-def _with_env(container: Obj, values: dict[str, str]) -> list[Obj]:
-    return _with_env_entries(container, [{"name": k, "value": v} for k, v in values.items()])
-
-
-def _with_env_entries(container: Obj, entries: list[Obj]) -> list[Obj]:
-    """The container's env with `entries` replacing any of the same names (never duplicated)."""
-    names = {e["name"] for e in entries}
-    kept = [e for e in container.get("env") or [] if not (isinstance(e, dict) and e.get("name") in names)]
-    return kept + entries
-
-
 @dataclass(frozen=True, kw_only=True)
 class Placement:
     """Where a pod goes: the reservation behind it and the GPU it gets."""
@@ -228,106 +201,6 @@ def literal_env(container: Obj) -> dict[str, str]:
     }
 
 
-def placement_patch(
-    pod: Obj, placement: Placement, *, guardrails: Callable[[Obj], dict[str, str]] | None = None
-) -> list[Operation]:
-    """The JSON Patch that puts `pod` on `placement`'s GPU; `guardrails` gives each container's budget
-    variables (see `vramshare.domain.guardrails`)."""
-    ops: list[Operation] = []
-    # CUDA numbers the visible devices from 0, in the order NVIDIA_VISIBLE_DEVICES lists them.
-    env = {
-        VISIBLE_DEVICES: ",".join(placement.gpu_uuids),
-        CUDA_DEVICES: ",".join(str(i) for i in range(len(placement.gpu_uuids))),
-    }
-    for key, i, c in _containers(pod):
-        values = {**(guardrails(c) if guardrails is not None else {}), **env}
-        ops.append({"op": "add", "path": pointer("spec", key, i, "env"), "value": _with_env(c, values)})
-    ops.append(
-        {
-            "op": "add",
-            "path": pointer("spec", "affinity"),
-            "value": affinity_on(pod.get("spec", {}), placement.node),
-        }
-    )
-    ours = placement_annotations(
-        reservation=placement.reservation,
-        gpu_uuid=",".join(placement.gpu_uuids),
-        gpu_index=",".join(str(i) for i in placement.gpu_indexes),
-        node=placement.node,
-    )
-    # Device-list mounts the pod brought would add GPUs beyond the booked ones (the delivery mode
-    # volume-mounts adds its own after these).
-    ops += foreign_device_mounts(pod)
-    # vramshare's queue gate on a pod admitted directly is the user's copy: nobody would lift it.
-    gates = pod.get("spec", {}).get("schedulingGates") or []
-    if any(isinstance(g, dict) and g.get("name") == QUEUE_GATE for g in gates):
-        kept = [g for g in gates if not (isinstance(g, dict) and g.get("name") == QUEUE_GATE)]
-        ops.append({"op": "add", "path": pointer("spec", "schedulingGates"), "value": kept})
-    return ops + _marking(pod, annotations=ours, reservation=placement.reservation)
-
-
-def _marking(pod: Obj, *, annotations: dict[str, str], reservation: str) -> list[Operation]:
-    """vramshare's annotations (replacing every vramshare.io/* one the pod has) and the reservation
-    label, by which the controller lists GPU pods."""
-    # A CDI request for NVIDIA GPUs would add devices beyond the booked ones: only vramshare's stay.
-    current = pod_annotations(pod)
-    foreign = set(foreign_gpu_requests(current))
-    kept = {k: v for k, v in current.items() if not k.startswith(ANNOTATION_PREFIX) and k not in foreign}
-    labels = pod.get("metadata", {}).get("labels")
-    labels = {
-        k: v
-        for k, v in (labels if isinstance(labels, dict) else {}).items()
-        if not k.startswith(ANNOTATION_PREFIX)
-    }
-    return [
-        {"op": "add", "path": pointer("metadata", "annotations"), "value": {**kept, **annotations}},
-        {
-            "op": "add",
-            "path": pointer("metadata", "labels"),
-            "value": {**labels, LABEL_RESERVATION: reservation},
-        },
-    ]
-
-
-def _from_annotation(name: str, annotation: str) -> Obj:
-    return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": f"metadata.annotations['{annotation}']"}}}
-
-
-def queue_patch(
-    pod: Obj, *, reservation: str, guardrails: Callable[[Obj], dict[str, str]] | None = None
-) -> list[Operation]:
-    """The JSON Patch that makes `pod` wait in the queue: vramshare's scheduling gate, and an environment
-    that the kubelet resolves from the pod's annotations when the container starts, after the
-    controller has written the chosen GPU there and lifted the gate. With `guardrails` (the budget
-    known before the GPU is: the booked MiB), the fractions and the MPS limit come from annotations the
-    controller writes with the placement; a container that sets them itself keeps its own."""
-    ops: list[Operation] = []
-    for key, i, c in _containers(pod):
-        env: list[Obj] = [
-            _from_annotation(VISIBLE_DEVICES, ANNOTATION_GPU_UUID),
-            {"name": CUDA_DEVICES, "value": "0"},
-        ]
-        if guardrails is not None:
-            own = {str(e.get("name")) for e in c.get("env") or [] if isinstance(e, dict)}
-            env += [{"name": k, "value": v} for k, v in guardrails(c).items()]
-            env += [
-                _from_annotation(name, annotation)
-                for name, annotation in ANNOTATED_GUARDRAILS.items()
-                if name not in own
-            ]
-        ops.append({"op": "add", "path": pointer("spec", key, i, "env"), "value": _with_env_entries(c, env)})
-    gates = [
-        g
-        for g in pod.get("spec", {}).get("schedulingGates") or []
-        if isinstance(g, dict) and g.get("name") != QUEUE_GATE
-    ]
-    ops.append(
-        {"op": "add", "path": pointer("spec", "schedulingGates"), "value": [*gates, {"name": QUEUE_GATE}]}
-    )
-    ops += foreign_device_mounts(pod)
-    return ops + _marking(pod, annotations={ANNOTATION_RESERVATION: reservation}, reservation=reservation)
-
-
 def queued_entry_of(pod: Obj) -> str | None:
     """The queue entry an earlier pass of this pod's admission made (on reinvocation), if it names one
     and no placement."""
@@ -336,26 +209,6 @@ def queued_entry_of(pod: Obj) -> str | None:
         return None
     name = a.get(ANNOTATION_RESERVATION)
     return name if is_object_name(name) else None  # anything else is not ours: decided afresh
-
-
-def hide_gpus_patch(pod: Obj) -> list[Operation]:
-    """For pods without a GPU request: `NVIDIA_VISIBLE_DEVICES=void` (`HIDDEN`), so CUDA images
-    (which default to `all`) see no GPU at all, whatever runtime class runs them; no CDI request for
-    NVIDIA devices in an annotation (NVIDIA's runtime in CDI mode and its NRI plugin honour those before
-    the variable); no device-list mount (a hardened toolkit honours those instead of the variable); and
-    no vramshare.io/* labels or annotations (`strip_patch`)."""
-    return (
-        [
-            {
-                "op": "add",
-                "path": pointer("spec", key, i, "env"),
-                "value": _with_env(c, {VISIBLE_DEVICES: HIDDEN}),
-            }
-            for key, i, c in _containers(pod)
-        ]
-        + foreign_device_mounts(pod)
-        + strip_patch(pod, also=foreign_gpu_requests(pod_annotations(pod)))
-    )
 
 
 def claimed_marks(pod: Obj) -> list[str]:
@@ -367,70 +220,6 @@ def claimed_marks(pod: Obj) -> list[str]:
         for key in (meta.get(field) if isinstance(meta.get(field), dict) else {})
         if str(key).startswith(ANNOTATION_PREFIX)
     ]
-
-
-def strip_patch(pod: Obj, *, also: Iterable[str] = ()) -> list[Operation]:
-    """The pod's labels and annotations without any vramshare.io/* key, nor the annotations in `also`
-    (none when it has none): a pod vramshare did not admit must not look like one to the controller."""
-    meta = pod.get("metadata", {})
-    dropped = set(also)
-    ops: list[Operation] = []
-    for field in ("labels", "annotations"):
-        values = meta.get(field)
-
-        def gone(key: object, field: str = field) -> bool:
-            return str(key).startswith(ANNOTATION_PREFIX) or (field == "annotations" and key in dropped)
-
-        if isinstance(values, dict) and any(gone(k) for k in values):
-            kept = {k: v for k, v in values.items() if not gone(k)}
-            ops.append({"op": "add", "path": pointer("metadata", field), "value": kept})
-    return ops
-
-
-def ephemeral_patch(pod: Obj) -> list[Operation]:
-    """For debug containers added to a running pod (`kubectl debug`): the same GPUs as the pod's own
-    containers (from its placement annotations, which only vramshare writes), or none at all."""
-    annotations = pod_annotations(pod)
-    uuids = annotations.get(ANNOTATION_GPU_UUID, "")
-    placed = bool(uuids) and LABEL_RESERVATION in (pod.get("metadata", {}).get("labels") or {})
-    env = (
-        {VISIBLE_DEVICES: uuids, CUDA_DEVICES: ",".join(str(i) for i in range(len(uuids.split(","))))}
-        if placed
-        else {VISIBLE_DEVICES: HIDDEN}
-    )
-    # Delivered by device-list mounts (delivery mode volume-mounts: the pod has vramshare's volume),
-    # the debug container gets the same mounts; otherwise it may bring none.
-    listed = (
-        placed
-        and all(_GPU_UUID.match(u) for u in uuids.split(","))
-        and any(
-            isinstance(v, dict) and v.get("name") == DEVICE_LIST_VOLUME
-            for v in pod.get("spec", {}).get("volumes") or []
-        )
-    )
-    ops: list[Operation] = []
-    for i, c in enumerate(pod.get("spec", {}).get("ephemeralContainers") or []):
-        if not isinstance(c, dict):
-            continue
-        ops.append(
-            {
-                "op": "add",
-                "path": pointer("spec", "ephemeralContainers", i, "env"),
-                "value": _with_env(c, env),
-            }
-        )
-        mounts = [m for m in c.get("volumeMounts") or [] if not is_device_mount(m)]
-        if listed:
-            mounts += device_mounts(uuids.split(","))
-        if mounts != (c.get("volumeMounts") or []):
-            ops.append(
-                {
-                    "op": "add",
-                    "path": pointer("spec", "ephemeralContainers", i, "volumeMounts"),
-                    "value": mounts,
-                }
-            )
-    return ops
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -534,7 +323,7 @@ def placement_of(pod: Obj) -> Placement | None:
         # query, 300 characters) is not looked up anywhere, and the pod is decided afresh.
         if not is_object_name(a[ANNOTATION_RESERVATION]) or not is_object_name(a[ANNOTATION_NODE]):
             return None
-        if not all(_GPU_UUID.match(u) for u in uuids):
+        if not all(GPU_UUID.match(u) for u in uuids):
             return None
         return Placement(
             reservation=a[ANNOTATION_RESERVATION],

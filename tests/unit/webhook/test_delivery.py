@@ -21,7 +21,7 @@ from vramshare_webhook.delivery import (
     is_device_mount,
 )
 from vramshare_webhook.metrics import WebhookMetrics
-from vramshare_webhook.pod import ephemeral_patch, hide_gpus_patch
+from vramshare_webhook.pod_patch import ephemeral_patch, hide_gpus_patch
 from vramshare_webhook.settings import WebhookSettings
 
 UUID = "GPU-a"

@@ -8,17 +8,16 @@ from typing import Any
 import pytest
 
 from tests.unit.webhook.fakes import apply
+from vramshare_webhook.patching import pointer
 from vramshare_webhook.pod import (
     Placement,
-    hide_gpus_patch,
     pinned_nodes,
     placement_of,
-    placement_patch,
-    pointer,
     queued_entry_of,
     requested_device_resources,
     spoofed,
 )
+from vramshare_webhook.pod_patch import hide_gpus_patch, placement_patch
 
 PLACE = Placement(reservation="task-1-abcd", gpu_uuid="GPU-1", gpu_index=2, node="gpu-node-a")
 

@@ -12,7 +12,8 @@ from vramshare_webhook.admission.intent import Intent
 from vramshare_webhook.decision import Admit, Decision, Queue, Reason
 from vramshare_webhook.memory_resource import memory_resource_patch
 from vramshare_webhook.patching import Operation
-from vramshare_webhook.pod import Placement, placement_patch
+from vramshare_webhook.pod import Placement
+from vramshare_webhook.pod_patch import placement_patch
 from vramshare_webhook.settings import WebhookSettings
 
 

@@ -23,7 +23,8 @@ from vramshare_webhook.admission.naming import reservation_name
 from vramshare_webhook.admission.queueing import enqueue
 from vramshare_webhook.admission.refusal import refuse
 from vramshare_webhook.decision import Admit, Contention, Decision, Invalid, Reason
-from vramshare_webhook.pod import Placement, placement_patch
+from vramshare_webhook.pod import Placement
+from vramshare_webhook.pod_patch import placement_patch
 
 
 @dataclass(frozen=True, kw_only=True)

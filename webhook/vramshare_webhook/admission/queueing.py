@@ -10,7 +10,7 @@ from vramshare_webhook.admission.context import Context
 from vramshare_webhook.admission.intent import Intent
 from vramshare_webhook.admission.naming import reservation_name
 from vramshare_webhook.decision import Queue, Reason
-from vramshare_webhook.pod import queue_patch
+from vramshare_webhook.pod_patch import queue_patch
 
 
 async def enqueue(intent: Intent, *, ctx: Context) -> Queue:
