@@ -27,7 +27,7 @@ from vramshare.kube.resources import (
     ANNOTATION_RESERVATION,
     is_object_name,
 )
-from vramshare_webhook.delivery import (
+from vramshare_webhook.delivery_modes import (
     foreign_gpu_requests,
     is_device_mount,
 )

@@ -26,7 +26,7 @@ from vramshare.kube.resources import (
     ANNOTATION_RESERVATION,
     LABEL_RESERVATION,
 )
-from vramshare_webhook.delivery import (
+from vramshare_webhook.delivery_modes import (
     DEVICE_LIST_VOLUME,
     device_mounts,
     foreign_device_mounts,

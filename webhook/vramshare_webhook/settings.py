@@ -36,7 +36,7 @@ from vramshare.kube.resources import (
 )
 from vramshare.logs import LEVELS
 from vramshare.settings import check_accounting, from_env, invalid
-from vramshare_webhook.delivery import DeliveryMode
+from vramshare_webhook.delivery_modes import DeliveryMode
 
 MAX_SERVING_VALIDITY_S = 397 * 86400
 
@@ -141,7 +141,7 @@ class WebhookSettings:
     hide_gpus: bool = True
     """Give pods without the annotation NVIDIA_VISIBLE_DEVICES=void (only managed namespaces reach it)."""
     delivery_mode: DeliveryMode = DeliveryMode.RUNTIME_CLASS
-    """How the booked GPU reaches the container (see vramshare_webhook.delivery): env (the variable
+    """How the booked GPU reaches the container (see vramshare_webhook.delivery_modes): env (the variable
     alone: NVIDIA's runtime is the nodes' default), runtime-class (also the pod's runtimeClassName:
     GPU Operator 25.10+, whose default runtime is runc), cdi (NVIDIA's NRI plugin reads the devices
     from a pod annotation) or volume-mounts (device-list mounts, for toolkits that refuse the variable

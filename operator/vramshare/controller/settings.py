@@ -12,7 +12,7 @@ from vramshare.airflow_pools import AirflowAccess
 from vramshare.controller.leader import LeaseTiming
 from vramshare.dcgm_series import valid_node_label
 from vramshare.domain import Accounting, AllocationSettings, Policy, QueueSettings
-from vramshare.domain.delivery_check import MODES
+from vramshare.domain.delivery_judgement import MODES
 from vramshare.domain.inventory import InventorySettings
 from vramshare.domain.pools import PoolBasis, PoolRule
 from vramshare.kube.heartbeat import DEFAULT_CONTROLLER_LEASE

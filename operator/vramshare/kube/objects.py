@@ -15,7 +15,7 @@ from functools import cached_property
 from typing import Any, Self
 
 from vramshare.domain import Gpu, Reservation, ReservationPhase
-from vramshare.domain.delivery_check import Check, Result
+from vramshare.domain.delivery_judgement import Check, Result
 from vramshare.domain.inventory import DeviceState
 from vramshare.domain.models import MigInstance, mig_summary
 from vramshare.kube.resources import (
@@ -518,7 +518,7 @@ class DeviceStatus:
     mig: tuple[MigInstance, ...] = ()
     """A MIG-enabled GPU's instances (never handed to pods); empty for a whole GPU."""
     delivery: Delivery | None = None
-    """The delivery preflight on the GPU's node (see vramshare.domain.delivery_check)."""
+    """The delivery preflight on the GPU's node (see vramshare.domain.delivery_judgement)."""
 
     @classmethod
     def from_wire(cls, obj: Obj) -> Self | None:

@@ -14,7 +14,7 @@ from vramshare.domain import Accounting, ReservationPhase
 from vramshare.settings import SettingsError
 from vramshare_webhook import review as rv
 from vramshare_webhook.admission import Admitter, ClusterView
-from vramshare_webhook.delivery import DeliveryMode
+from vramshare_webhook.delivery_modes import DeliveryMode
 from vramshare_webhook.metrics import WebhookMetrics
 from vramshare_webhook.settings import WebhookSettings
 

@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 from tests.unit.domain.builders import NOW
 from tests.unit.webhook.fakes import MemoryLedger, admitter, apply, delivering, patch_of, request, with_spec
 from vramshare.domain import Accounting
-from vramshare.domain.delivery_check import MODES
+from vramshare.domain.delivery_judgement import MODES
 from vramshare_webhook.admission import Admitter, ClusterView
-from vramshare_webhook.delivery import (
+from vramshare_webhook.delivery_modes import (
     DEVICE_LIST_ROOT,
     DeliveryMode,
     foreign_gpu_requests,

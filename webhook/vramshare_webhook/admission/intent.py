@@ -25,7 +25,7 @@ from vramshare.kube.pods import GUARDRAILS_ANNOTATION, GUARDRAILS_NAMESPACE_LABE
 from vramshare_webhook import review as rv
 from vramshare_webhook.admission.triage import GpuAsk
 from vramshare_webhook.decision import Invalid, Reason
-from vramshare_webhook.delivery import Delivery, delivery_for
+from vramshare_webhook.delivery_modes import Delivery, delivery_for
 from vramshare_webhook.pod import PodFacts
 from vramshare_webhook.settings import EXECUTOR_LABEL, RefusalStyle, WebhookSettings
 
@@ -167,7 +167,7 @@ def resolve_intent(
 def _delivery(
     pod: dict[str, Any], *, settings: WebhookSettings, namespace_labels: Mapping[str, str]
 ) -> Delivery | Invalid:
-    """How this namespace's GPU pods get their GPU (see vramshare_webhook.delivery), or why this pod
+    """How this namespace's GPU pods get their GPU (see vramshare_webhook.delivery_modes), or why this pod
     cannot get it so."""
     delivery = delivery_for(
         default=settings.delivery_mode,

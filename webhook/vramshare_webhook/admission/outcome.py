@@ -1,5 +1,5 @@
 """Step 7, outcome: the pod's one patch. An admitted or queued pod's placement patch, followed by what
-its delivery mode adds (see `vramshare_webhook.delivery`) and its request of the memory resource (see
+its delivery mode adds (see `vramshare_webhook.delivery_modes`) and its request of the memory resource (see
 `vramshare_webhook.memory_resource`); a pod admitted again on an earlier pass's placement."""
 
 from __future__ import annotations

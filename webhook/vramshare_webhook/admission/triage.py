@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from vramshare_webhook import review as rv
 from vramshare_webhook.decision import Hide, Invalid, Reason, Skip
-from vramshare_webhook.delivery import foreign_gpu_requests
+from vramshare_webhook.delivery_modes import foreign_gpu_requests
 from vramshare_webhook.memory_resource import containers_requesting
 from vramshare_webhook.pod import PodFacts, claimed_marks, pod_annotations, read_pod, shape_problem
 from vramshare_webhook.pod_patch import ephemeral_patch, hide_gpus_patch, strip_patch

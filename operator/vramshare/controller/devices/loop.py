@@ -17,7 +17,7 @@ from collections.abc import Callable
 import structlog
 
 from vramshare.controller.capacity import NodeCapacity
-from vramshare.controller.delivery import DeliveryPreflight
+from vramshare.controller.delivery_preflight import DeliveryPreflight
 from vramshare.controller.devices.reporting import InventoryReport, PollSteps
 from vramshare.controller.devices.write_policy import WRITES_IN_FLIGHT, RefreshBudget, refresh_budget
 from vramshare.controller.devices.writer import DeviceWriter

@@ -14,7 +14,7 @@ from vramshare.controller.metrics import ControllerMetrics
 from vramshare.controller.settings import ControllerSettings
 from vramshare.controller.state import ClusterState
 from vramshare.domain import Reservation
-from vramshare.domain.delivery_check import Check, Result
+from vramshare.domain.delivery_judgement import Check, Result
 from vramshare.domain.inventory import (
     DeviceState,
 )

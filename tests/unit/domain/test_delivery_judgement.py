@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from vramshare.domain.delivery_check import (
+from vramshare.domain.delivery_judgement import (
     GpuOperatorView,
     NodeRuntimeView,
     Result,

@@ -1,6 +1,6 @@
 """The delivery preflight's reads: RuntimeClasses and the GPU Operator's ClusterPolicy, every
 `delivery_check_interval_s`; the nodes come from the watch cache. The judgement is pure
-(vramshare.domain.delivery_check); the inventory loop writes it into each GpuDevice's status."""
+(vramshare.domain.delivery_judgement); the inventory loop writes it into each GpuDevice's status."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import structlog
 
 from vramshare.controller.settings import ControllerSettings
 from vramshare.controller.state import ClusterState
-from vramshare.domain.delivery_check import (
+from vramshare.domain.delivery_judgement import (
     Check,
     GpuOperatorView,
     NodeRuntimeView,

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 MODES = ("env", "runtime-class", "cdi", "volume-mounts")
-"""The webhook's delivery modes (vramshare_webhook.delivery.DeliveryMode), in the order shown."""
+"""The webhook's delivery modes (vramshare_webhook.delivery_modes.DeliveryMode), in the order shown."""
 DEFAULT_RUNTIME_LABEL = "vramshare.io/default-runtime"
 NRI_PLUGIN_LABEL = "vramshare.io/nri-plugin"
 DEVICE_LIST_MOUNTS_LABEL = "vramshare.io/device-list-mounts"
