@@ -25,7 +25,7 @@ venv: $(VENV_STAMP) ## Create the virtualenv and install vramshare with its dev 
 
 .PHONY: tools
 tools: venv ## Build (once, cached) etcd, Kubernetes, kwok and helm from their Go modules; install Prometheus
-	@$(BIN)/python -m vramshare_e2e.cluster --prepare
+	@$(BIN)/python -m vramshare_e2e.cli --prepare
 
 .PHONY: node-image
 node-image: venv ## Build (when the code changed) the image for real nodes: make image's, exported as an OCI archive
@@ -100,7 +100,7 @@ reliability: venv tools ## The adversarial suite at larger sizes (RELIABILITY_PO
 
 .PHONY: cluster
 cluster: venv tools ## Run the local control plane in the foreground (Ctrl-C stops it)
-	$(BIN)/python -m vramshare_e2e.cluster
+	$(BIN)/python -m vramshare_e2e.cli
 
 .PHONY: sync-crds
 sync-crds: ## Copy crds/ into the chart (a test fails while they differ)

@@ -34,8 +34,10 @@ from typing import Any
 import yaml
 from aiohttp import ClientSession, web
 
-from vramshare_e2e.cluster import CRDS_DIR, Component, LocalCluster, free_port, http_ok
+from vramshare_e2e.cluster import CRDS_DIR, LocalCluster
 from vramshare_e2e.components import POD_CREATE_RULES
+from vramshare_e2e.ports import free_port
+from vramshare_e2e.process import Component, http_ok
 
 INJECTED_LABEL = "e2e.vramshare.io/injected"
 SIDECAR = "e2e-proxy"
@@ -310,14 +312,15 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _start(cluster: LocalCluster, *, name: str, args: list[str], ready: Callable[[], bool]) -> None:
-    cluster.components[name] = Component(
-        name=name,
-        argv=[sys.executable, "-m", "vramshare_e2e.admission_parts", *args],
-        log_path=cluster.logs_dir / f"{name}.log",
-        ready=ready,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    cluster.add_component(
+        Component(
+            name=name,
+            argv=[sys.executable, "-m", "vramshare_e2e.admission_parts", *args],
+            log_path=cluster.logs_dir / f"{name}.log",
+            ready=ready,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
     )
-    cluster.start_component(name)
 
 
 def start_mutating_webhook(cluster: LocalCluster, *, mode: str) -> int:

@@ -21,7 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vramshare_e2e.cluster import Component, LocalCluster, free_port, http_ok
+from vramshare_e2e.cluster import LocalCluster
+from vramshare_e2e.ports import free_port
+from vramshare_e2e.process import Component, http_ok
 
 TOOLS = Path(__file__).resolve().parent.parent / "tools"
 USER, PASSWORD = "vramshare", "pool-sync-password"
@@ -121,8 +123,7 @@ def start_api_server(cluster: LocalCluster, airflow: Airflow, *, name: str = "ai
         ready=lambda: http_ok(f"http://127.0.0.1:{port}/api/v2/monitor/health"),
         env=airflow.env,
     )
-    cluster.components[name] = component
-    cluster.start_component(name)
+    cluster.add_component(component)
     return port
 
 

@@ -42,8 +42,8 @@ from kubernetes import client, config
 
 from vramshare.dcgm_series import AUTO, promql, samples_from
 from vramshare_e2e.admission_parts import start_mutating_webhook
-from vramshare_e2e.bench_admission import create_pods, decision_quantiles, latency_stats, webhook_metrics
 from vramshare_e2e.bench_controller import mem_mib
+from vramshare_e2e.bench_measure import create_pods, decision_quantiles, latency_stats, webhook_metrics
 from vramshare_e2e.cluster import ClusterSettings, LocalCluster
 from vramshare_e2e.components import bare_booking, start_controller, start_webhook, webhook_configuration
 from vramshare_e2e.fleet import FakeNode, Fleet, uniform_gpus
@@ -266,7 +266,7 @@ def run(*, smoke: bool, out: Path | None, show: Callable[[str], None] = print) -
             "webhook_choose": decision_quantiles(before, after, "choose"),
         }
         report["rss_mib"] = {
-            name: mem_mib(cluster.components[name].process.pid, "VmRSS")  # type: ignore[union-attr]
+            name: mem_mib(cluster.component(name).process.pid, "VmRSS")  # type: ignore[union-attr]
             for name in ("controller", "webhook-a", "webhook-b")
         }
     show(summary(report))

@@ -9,27 +9,16 @@ when something fails, and stops everything it started.
     with LocalCluster.start(settings=ClusterSettings()) as cluster:
         print(cluster.kubeconfig)
 
-or from the command line (`make cluster`): `python -m vramshare_e2e.cluster`.
+or from the command line (`make cluster`): `python -m vramshare_e2e.cli`.
 """
 
 from __future__ import annotations
 
-import argparse
-import contextlib
-import json
-import os
-import random
 import shutil
-import signal
-import socket
 import ssl
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.parse
-import urllib.request
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -40,12 +29,17 @@ from typing import Any, TypeVar
 import yaml
 
 from vramshare_e2e.certs import CertificateAuthority, CertPair, service_account_keys
+from vramshare_e2e.credentials import Credentials
 from vramshare_e2e.fake_dcgm import ExporterClient
+from vramshare_e2e.fake_nodes import fake_node_objects, fake_nodes_ready, instant_query
 from vramshare_e2e.fleet import Fleet, default_fleet
+from vramshare_e2e.kubectl import Kubectl
+from vramshare_e2e.ports import free_port
+from vramshare_e2e.process import ClusterError, Component, eventually, http_ok, say
+from vramshare_e2e.tools import prometheus_binary, tools_bin_dir
 
 T = TypeVar("T")
 PACKAGE_DIR = Path(__file__).resolve().parent
-BUILD_SCRIPT = PACKAGE_DIR.parent / "tools" / "build.sh"
 KWOK_STAGES = PACKAGE_DIR / "kwok-stages.yaml"
 CRDS_DIR = PACKAGE_DIR.parents[1] / "crds"
 NVIDIA_RUNTIME_CLASS = {
@@ -56,117 +50,6 @@ NVIDIA_RUNTIME_CLASS = {
 }
 RUN_DURATION_ANNOTATION = "e2e.vramshare.io/run-duration"
 EXIT_CODE_ANNOTATION = "e2e.vramshare.io/exit-code"
-
-
-class ClusterError(RuntimeError):
-    """The local control plane could not be started or used; the message carries the logs' tails."""
-
-
-def say(message: str) -> None:
-    print(f"[vramshare cluster] {message}", file=sys.stderr, flush=True)
-
-
-def eventually(
-    check: Callable[[], T],
-    *,
-    what: str,
-    timeout_s: float = 30.0,
-    interval_s: float = 0.25,
-    detail: Callable[[], object] | None = None,
-) -> T:
-    """Poll `check` until it returns something truthy, and return that; AssertionError on timeout, with
-    what `detail` returns then (the state that was not reached, for the failure's reader)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            seen = f"; last seen: {detail()}" if detail is not None else ""
-            raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}{seen}")
-        time.sleep(interval_s)
-
-
-def _ephemeral_range() -> tuple[int, int]:
-    try:
-        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
-        return int(low), int(high)
-    except (OSError, ValueError):
-        return 32768, 60999
-
-
-_HANDED_OUT: set[int] = set()
-"""Ports this process has handed out: free when checked, but maybe not bound yet (a cluster picks all
-its ports before starting any component), so never handed out twice."""
-
-
-def free_port() -> int:
-    """A free loopback port below the kernel's ephemeral range: an outgoing connection can take a port
-    from that range between our check and the server's bind (seen in CI as 'address already in use')."""
-    low, high = 10_000, max(10_001, _ephemeral_range()[0])
-    # Parallel test workers (pytest-xdist's gw0, gw1, ...) each draw from their own slice, so two
-    # clusters starting at once never pick the same port between one's check and its bind.
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
-    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    if worker.startswith("gw") and worker[2:].isdigit() and workers > 1:
-        size = (high - low) // workers
-        low += int(worker[2:]) * size
-        high = low + size
-    rng = random.Random()
-    for _ in range(200):
-        port = rng.randrange(low, high)
-        if port in _HANDED_OUT:
-            continue
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        _HANDED_OUT.add(port)
-        return port
-    raise ClusterError("no free loopback port found below the ephemeral range")
-
-
-def tools_bin_dir() -> Path:
-    """The directory with the control-plane binaries, building what is missing (cached by version)."""
-    override = os.environ.get("VRAMSHARE_BIN")
-    if override:
-        return Path(override)
-    result = subprocess.run(["bash", str(BUILD_SCRIPT)], check=False, stdout=subprocess.PIPE, text=True)
-    if result.returncode != 0:
-        raise ClusterError(f"building the control-plane binaries failed (see above); ran {BUILD_SCRIPT}")
-    return Path(result.stdout.strip().splitlines()[-1])
-
-
-def apt_install(*packages: str) -> None:
-    """Install Debian's `packages` (root only; otherwise say the command to run)."""
-    names = " ".join(packages)
-    if os.geteuid() != 0:
-        verb = "is" if len(packages) == 1 else "are"
-        raise ClusterError(
-            f"{names} {verb} not installed; run: sudo apt-get install --no-install-recommends {names}"
-        )
-    say(f"installing {names} from Debian's packages (once)")
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    for cmd in (
-        ["apt-get", "update", "-qq"],
-        ["apt-get", "install", "-y", "-qq", "--no-install-recommends", *packages],
-    ):
-        subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
-
-
-def prometheus_binary() -> Path:
-    """Debian's Prometheus, installed with apt-get when missing (the machine reaches Debian's mirrors)."""
-    found = shutil.which("prometheus")
-    if found:
-        return Path(found)
-    apt_install("prometheus")
-    # The package's own service would listen on 0.0.0.0:9090; ours runs on loopback only.
-    subprocess.run(["pkill", "-x", "prometheus"], check=False)
-    found = shutil.which("prometheus")
-    if not found:
-        raise ClusterError("apt-get installed prometheus but it is not on PATH")
-    return Path(found)
 
 
 @dataclass(kw_only=True)
@@ -190,83 +73,6 @@ class ClusterSettings:
     startup_timeout_s: float = 120.0
 
 
-@dataclass
-class Component:
-    """One process of the stack: how to start it and how to tell it is ready."""
-
-    name: str
-    argv: list[str]
-    log_path: Path
-    ready: Callable[[], bool]
-    env: dict[str, str] | None = None
-    process: subprocess.Popen[bytes] | None = None
-
-    @property
-    def running(self) -> bool:
-        return self.process is not None and self.process.poll() is None
-
-    def start(self) -> None:
-        log = self.log_path.open("ab")
-        log.write(f"\n=== start {time.strftime('%H:%M:%S')}: {' '.join(self.argv)}\n".encode())
-        log.flush()
-        self.process = subprocess.Popen(
-            self.argv,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,  # its own process group: stopping it stops its children too
-            env=self.env,
-        )
-        log.close()
-
-    def stop(self, *, timeout_s: float = 10.0, kill: bool = False) -> None:
-        proc = self.process
-        if proc is None:
-            return
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL if kill else signal.SIGTERM)
-            try:
-                proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=timeout_s)
-        # Reap stragglers in its group (a process that forked and exited first).
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        self.process = None
-
-    def wait_ready(self, *, timeout_s: float) -> None:
-        """Until it is ready; ClusterError with its log's tail if it exits or the time runs out."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.ready():
-                return
-            if not self.running:
-                raise ClusterError(f"{self.name} exited while starting; last log lines:\n{self.tail()}")
-            time.sleep(0.2)
-        raise ClusterError(
-            f"{self.name} was not ready within {timeout_s:g} s; last log lines:\n{self.tail()}"
-        )
-
-    def tail(self, lines: int = 25) -> str:
-        try:
-            text = self.log_path.read_text(errors="replace").splitlines()
-        except FileNotFoundError:
-            return "(no log)"
-        return "\n".join(text[-lines:])
-
-
-def http_ok(url: str, *, context: ssl.SSLContext | None = None, expect: str | None = None) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=2, context=context) as resp:
-            body = resp.read().decode(errors="replace")
-            return resp.status == 200 and (expect is None or expect in body)
-    except (urllib.error.URLError, ConnectionError, TimeoutError, ssl.SSLError, OSError):
-        return False
-
-
 class LocalCluster:
     """A running local control plane. Create with `LocalCluster.start()`; stop with `stop()`."""
 
@@ -279,8 +85,8 @@ class LocalCluster:
         self.logs_dir = self.workdir / "logs"
         self.logs_dir.mkdir(exist_ok=True)
         self.pki_dir = self.workdir / "pki"
-        self.components: dict[str, Component] = {}
-        self.cleanups: list[Callable[[], None]] = []
+        self._components: dict[str, Component] = {}
+        self._cleanups: list[Callable[[], None]] = []
         """Run at stop(), after the components: what outlives them (a real node's containers, mounts)."""
         self.ca = CertificateAuthority(self.pki_dir)
         self.sa_keys = service_account_keys(self.pki_dir)
@@ -303,7 +109,11 @@ class LocalCluster:
         self.fleet_path = self.workdir / "fleet.json"
         settings.fleet.save(self.fleet_path)
         self.exporter = ExporterClient(self.exporter_url)
+        self.credentials = Credentials(
+            ca=self.ca, pki_dir=self.pki_dir, workdir=self.workdir, api_url=self.api_url
+        )
         self.kubeconfig = self.mint_kubeconfig("admin", groups=("system:masters",), name="admin")
+        self._kubectl = Kubectl(binary=bin_dir / "kubectl", kubeconfig=self.kubeconfig)
 
     # -- set-up -------------------------------------------------------------------------------------
 
@@ -495,7 +305,7 @@ class LocalCluster:
             )
 
     def _add(self, name: str, argv: list[str], *, ready: Callable[[], bool]) -> None:
-        self.components[name] = Component(
+        self._components[name] = Component(
             name=name, argv=argv, log_path=self.logs_dir / f"{name}.log", ready=ready
         )
 
@@ -510,18 +320,18 @@ class LocalCluster:
         # As every GPU Operator release creates it (vramshare's default delivery mode names it; the
         # API server refuses pods naming a RuntimeClass that does not exist).
         self.apply_objects([NVIDIA_RUNTIME_CLASS])
-        for name in self.components:
+        for name in self._components:
             if name not in order:
-                self.components[name].start()
-        for name in self.components:
+                self._components[name].start()
+        for name in self._components:
             if name not in order:
-                self._wait_ready(self.components[name])
+                self._wait_ready(self._components[name])
         if self.settings.with_kwok:
             self.create_fake_nodes()
             self.wait_for(self._fake_nodes_ready, what="fake GPU nodes Ready", timeout_s=60)
         if self.settings.with_controller_manager:
             self.wait_for(
-                lambda: self._kubectl_ok("get", "serviceaccount", "default", "-n", "default"),
+                lambda: self._kubectl.ok("get", "serviceaccount", "default", "-n", "default"),
                 what="the default ServiceAccount",
                 timeout_s=60,
             )
@@ -531,14 +341,38 @@ class LocalCluster:
             )
         say(f"up in {time.monotonic() - started:.1f} s; work folder {self.workdir}")
 
+    def add_component(self, component: Component, *, ready_timeout_s: float | None = None) -> Component:
+        """Run `component` as part of the stack: started now and waited for (up to `ready_timeout_s`, by
+        default the settings' startup timeout), stopped with the rest, its log tail in the diagnostics."""
+        self._components[component.name] = component
+        component.start()
+        component.wait_ready(timeout_s=ready_timeout_s or self.settings.startup_timeout_s)
+        return component
+
+    def component(self, name: str) -> Component:
+        return self._components[name]
+
+    def find_component(self, name: str) -> Component | None:
+        return self._components.get(name)
+
+    @property
+    def components(self) -> list[Component]:
+        """Every component of the stack, in the order they were added."""
+        return list(self._components.values())
+
+    def on_cleanup(self, cleanup: Callable[[], None]) -> None:
+        """Run `cleanup` at stop(), after every component has stopped (what outlives them: a real node's
+        containers and mounts), the last added first."""
+        self._cleanups.append(cleanup)
+
     def start_component(self, name: str) -> None:
         """(Re)start one component and wait until it is ready."""
-        component = self.components[name]
+        component = self._components[name]
         component.start()
         self._wait_ready(component)
 
     def stop_component(self, name: str, *, kill: bool = False) -> None:
-        self.components[name].stop(kill=kill)
+        self._components[name].stop(kill=kill)
 
     def _wait_ready(self, component: Component) -> None:
         component.wait_ready(timeout_s=self.settings.startup_timeout_s)
@@ -553,43 +387,10 @@ class LocalCluster:
     # -- fake fleet -------------------------------------------------------------------------------
 
     def create_fake_nodes(self) -> None:
-        nodes = []
-        for node in self.settings.fleet.nodes:
-            if node.real:
-                continue  # its kubelet registers it (vramshare_e2e.node)
-            nodes.append(
-                {
-                    "apiVersion": "v1",
-                    "kind": "Node",
-                    "metadata": {
-                        "name": node.name,
-                        "annotations": {"kwok.x-k8s.io/node": "fake", "node.alpha.kubernetes.io/ttl": "0"},
-                        "labels": node.node_labels(),
-                    },
-                    "spec": {},
-                    "status": {
-                        "capacity": {"cpu": "32", "memory": "256Gi", "pods": "250"},
-                        "allocatable": {"cpu": "32", "memory": "256Gi", "pods": "250"},
-                    },
-                }
-            )
-        self.apply_objects(nodes)
+        self.apply_objects(fake_node_objects(self.settings.fleet))
 
     def _fake_nodes_ready(self) -> bool:
-        out = self.kubectl("get", "nodes", "-o", "json", check=False)
-        try:
-            items = json.loads(out)["items"]
-        except (ValueError, KeyError):
-            return False
-        ready = {
-            n["metadata"]["name"]
-            for n in items
-            if any(
-                c["type"] == "Ready" and c["status"] == "True"
-                for c in n.get("status", {}).get("conditions", [])
-            )
-        }
-        return all(node.name in ready for node in self.settings.fleet.nodes if not node.real)
+        return fake_nodes_ready(self.kubectl("get", "nodes", "-o", "json", check=False), self.settings.fleet)
 
     def _prometheus_has_fleet(self) -> bool:
         """Every GPU's series from every scrape job, whichever exporter family the fleet writes as."""
@@ -597,120 +398,47 @@ class LocalCluster:
         return len(series) == len(self.settings.fleet.all_gpus()) * self.settings.scrape_jobs
 
     def prometheus_query(self, promql: str) -> list[dict[str, Any]]:
-        url = f"{self.prometheus_url}/api/v1/query?" + urllib.parse.urlencode({"query": promql})
-        try:
-            with urllib.request.urlopen(url, timeout=5) as resp:
-                body = json.loads(resp.read())
-        except (urllib.error.URLError, OSError, ValueError):
-            return []
-        return list(body.get("data", {}).get("result", []))
+        """An instant query's result ([] while Prometheus does not answer)."""
+        return instant_query(self.prometheus_url, promql)
 
     # -- Kubernetes access ----------------------------------------------------------------------------
 
     def mint_client_cert(self, user: str, *, groups: tuple[str, ...] = ()) -> CertPair:
         """A client certificate the API server authenticates as `user` in `groups`."""
-        safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in user)
-        return self.ca.issue(f"user-{safe}", common_name=user, organizations=groups, client=True)
+        return self.credentials.client_cert(user, groups=groups)
 
     def mint_kubeconfig(self, user: str, *, groups: tuple[str, ...] = (), name: str | None = None) -> Path:
         """A kubeconfig for `user` in `groups` (for RBAC tests: bind roles to that user or group)."""
-        pair = self.mint_client_cert(user, groups=groups)
-        if name == "admin":
-            shutil.copy(pair.cert_path, self.pki_dir / "admin.crt")
-            shutil.copy(pair.key_path, self.pki_dir / "admin.key")
-        return self._write_kubeconfig(
-            name or pair.cert_path.stem,
-            user=user,
-            credentials={"client-certificate": str(pair.cert_path), "client-key": str(pair.key_path)},
-        )
+        return self.credentials.kubeconfig(user, groups=groups, name=name)
 
     def service_account_kubeconfig(self, namespace: str, service_account: str) -> Path:
         """A kubeconfig authenticating as a ServiceAccount through a bound token (TokenRequest API), as
         a pod of that ServiceAccount would: for testing the exact permissions of a chart's roles."""
         token = self.kubectl("create", "token", service_account, "-n", namespace, "--duration=2h").strip()
-        return self._write_kubeconfig(
+        return self.credentials.write_kubeconfig(
             f"sa-{namespace}-{service_account}",
             user=f"system:serviceaccount:{namespace}:{service_account}",
             credentials={"token": token},
         )
 
-    def _write_kubeconfig(self, name: str, *, user: str, credentials: dict[str, str]) -> Path:
-        path = self.workdir / f"{name}.kubeconfig"
-        config = {
-            "apiVersion": "v1",
-            "kind": "Config",
-            "clusters": [
-                {
-                    "name": "vramshare-local",
-                    "cluster": {"server": self.api_url, "certificate-authority": str(self.ca.cert_path)},
-                }
-            ],
-            "users": [{"name": user, "user": credentials}],
-            "contexts": [
-                {"name": "vramshare-local", "context": {"cluster": "vramshare-local", "user": user}}
-            ],
-            "current-context": "vramshare-local",
-        }
-        path.write_text(yaml.safe_dump(config))
-        path.chmod(0o600)
-        return path
-
     def kubectl(
         self, *args: str, check: bool = True, stdin: str | None = None, kubeconfig: Path | None = None
     ) -> str:
-        result = subprocess.run(
-            [self._bin("kubectl"), f"--kubeconfig={kubeconfig or self.kubeconfig}", *args],
-            input=stdin,
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=False,
-        )
-        if check and result.returncode != 0:
-            raise ClusterError(f"kubectl {' '.join(args)} failed: {result.stderr.strip()}")
-        return result.stdout if result.returncode == 0 else result.stderr
-
-    def _kubectl_ok(self, *args: str) -> bool:
-        return (
-            subprocess.run(
-                [self._bin("kubectl"), f"--kubeconfig={self.kubeconfig}", *args],
-                capture_output=True,
-                timeout=30,
-                check=False,
-            ).returncode
-            == 0
-        )
+        """kubectl as the admin (or with `kubeconfig`): its output; ClusterError when it fails (`check`)."""
+        return self._kubectl(*args, check=check, stdin=stdin, kubeconfig=kubeconfig)
 
     def apply_objects(self, objects: list[dict[str, Any]]) -> None:
-        self.kubectl(
-            "apply",
-            "--server-side",
-            "--field-manager=vramshare-e2e",
-            "-f",
-            "-",
-            stdin=yaml.safe_dump_all(objects),
-        )
+        self._kubectl.apply_objects(objects)
 
     def apply_file(self, path: Path) -> None:
         """Apply a manifest file or folder, waiting for CRDs in it to be Established."""
-        self.kubectl("apply", "--server-side", "--field-manager=vramshare-e2e", "-f", str(path))
-        files = [path] if path.is_file() else sorted(path.glob("*.yaml"))
-        crds = [
-            doc["metadata"]["name"]
-            for f in files
-            for doc in yaml.safe_load_all(f.read_text())
-            if doc and doc.get("kind") == "CustomResourceDefinition"
-        ]
-        if crds:
-            self.kubectl(
-                "wait", "--for=condition=Established", "--timeout=60s", *[f"crd/{name}" for name in crds]
-            )
+        self._kubectl.apply_file(path)
 
     # -- tear-down and reporting --------------------------------------------------------------------
 
     def diagnostics(self) -> str:
         parts = []
-        for c in self.components.values():
+        for c in self._components.values():
             state = "running" if c.running else "stopped"
             parts.append(f"--- {c.name} ({state}), {c.log_path}:\n{c.tail(15)}")
         return "\n".join(parts)
@@ -721,15 +449,15 @@ class LocalCluster:
         At tear-down nothing is being tested: graceful shutdowns (the webhook's drain, the
         controller's Lease release) have their own tests, so they are not waited for one after the
         other here. Each gets SIGTERM and a few seconds, then SIGKILL."""
-        with ThreadPoolExecutor(max_workers=max(1, len(self.components))) as pool:
-            list(pool.map(lambda c: c.stop(timeout_s=4.0), reversed(list(self.components.values()))))
-        for cleanup in reversed(self.cleanups):  # what outlives its component (a real node's containers)
+        with ThreadPoolExecutor(max_workers=max(1, len(self._components))) as pool:
+            list(pool.map(lambda c: c.stop(timeout_s=4.0), reversed(list(self._components.values()))))
+        for cleanup in reversed(self._cleanups):  # what outlives its component (a real node's containers)
             cleanup()
         if self._own_workdir and not self.settings.keep_workdir:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
     def pids(self) -> list[int]:
-        return [c.process.pid for c in self.components.values() if c.process is not None]
+        return [c.process.pid for c in self._components.values() if c.process is not None]
 
     def __enter__(self) -> LocalCluster:
         return self
@@ -752,52 +480,3 @@ class LocalCluster:
                 f"try:           {self.bin_dir / 'kubectl'} --kubeconfig {self.kubeconfig} get nodes",
             ]
         )
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Run vramshare's local control plane in the foreground.")
-    parser.add_argument("--workdir", type=Path, help="keep certificates, data and logs here")
-    parser.add_argument("--fleet", type=Path, help="fleet JSON (default: 2 x A100 40GB + 3 x T4)")
-    parser.add_argument(
-        "--prepare",
-        action="store_true",
-        help="only build the binaries and install Prometheus where missing, then exit (before parallel "
-        "test workers start clusters: they must not both run apt-get)",
-    )
-    args = parser.parse_args(argv)
-    if args.prepare:
-        from vramshare_e2e.node import node_images  # here: vramshare_e2e.node imports this module
-
-        try:
-            say(f"control-plane binaries in {tools_bin_dir()}; Prometheus at {prometheus_binary()}")
-            say(f"real-node images: {', '.join(p.name for p in node_images())}")
-        except ClusterError as exc:
-            raise SystemExit(f"[vramshare cluster] {exc}") from None
-        return
-    settings = ClusterSettings(
-        workdir=args.workdir,
-        keep_workdir=args.workdir is not None,
-        fleet=Fleet.load(args.fleet) if args.fleet else default_fleet(),
-    )
-    stop = False
-
-    def on_signal(*_: object) -> None:
-        nonlocal stop
-        stop = True
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    with LocalCluster.start(settings=settings) as cluster:
-        print(cluster.describe(), flush=True)
-        print("Ctrl-C stops everything.", flush=True)
-        while not stop:
-            for c in cluster.components.values():
-                if not c.running:
-                    say(f"{c.name} exited; last log lines:\n{c.tail()}")
-                    stop = True
-            time.sleep(0.5)
-    say("stopped")
-
-
-if __name__ == "__main__":
-    main()

@@ -23,8 +23,10 @@ from vramshare.kube.resources import (
     device_name,
     format_time_precise,
 )
-from vramshare_e2e.cluster import Component, LocalCluster, eventually, free_port, http_ok
+from vramshare_e2e.cluster import LocalCluster
 from vramshare_e2e.fleet import Fleet
+from vramshare_e2e.ports import free_port
+from vramshare_e2e.process import Component, eventually, http_ok
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -96,8 +98,7 @@ def start_webhook(
         ready=lambda: http_ok(f"https://127.0.0.1:{port}/readyz", context=ctx),
         env=environment,
     )
-    cluster.components[name] = component
-    cluster.start_component(name)
+    cluster.add_component(component)
     return component, port
 
 
@@ -274,8 +275,7 @@ def start_controller(
         ready=lambda: http_ok(f"http://127.0.0.1:{port}/metrics"),
         env=environment,
     )
-    cluster.components[name] = component
-    cluster.start_component(name)
+    cluster.add_component(component)
     return component, port
 
 

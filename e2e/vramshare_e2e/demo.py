@@ -30,8 +30,9 @@ from kubernetes.client.exceptions import ApiException
 
 from vramshare import status as status_view
 from vramshare.kube.resources import ANNOTATION_GPU_UUID, ANNOTATION_NODE, ANNOTATION_RESERVATION
-from vramshare_e2e.cluster import RUN_DURATION_ANNOTATION, ClusterSettings, LocalCluster, eventually
+from vramshare_e2e.cluster import RUN_DURATION_ANNOTATION, ClusterSettings, LocalCluster
 from vramshare_e2e.components import start_controller, start_webhook, webhook_configuration
+from vramshare_e2e.process import eventually
 
 NAMESPACE = "airflow"
 SHARD = "demo"
@@ -381,7 +382,7 @@ def wait_for_signal() -> None:
 def run_real_node_demo(*, keep: bool, show: Callable[[str], None] = print) -> dict[str, str]:
     """vramshare installed by its chart on two real nodes; a GPU task pod runs there and prints the
     environment it got. Returns that environment."""
-    from vramshare_e2e.node import TASK_IMAGE
+    from vramshare_e2e.node_images import TASK_IMAGE
     from vramshare_e2e.real_cluster import NAMESPACE as SYSTEM
     from vramshare_e2e.real_cluster import RELEASE, real_cluster
 

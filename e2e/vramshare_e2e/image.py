@@ -17,7 +17,8 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-from vramshare_e2e.cluster import ClusterError, apt_install, say
+from vramshare_e2e.process import ClusterError, say
+from vramshare_e2e.tools import apt_install, images_cache
 
 ROOT = Path(__file__).resolve().parents[2]
 BUILD_IMAGE = ROOT / "e2e" / "tools" / "build-image.sh"
@@ -96,8 +97,6 @@ def product_image(cache: Path) -> ProductImage:
 
 def main() -> None:
     """`make node-image`: build (when the code changed) and export the image for real nodes."""
-    from vramshare_e2e.node import images_cache  # here: vramshare_e2e.node imports vramshare_e2e.cluster
-
     try:
         image = product_image(images_cache())
     except ClusterError as exc:

@@ -14,7 +14,9 @@ from typing import Any
 
 import yaml
 
-from vramshare_e2e.cluster import ClusterError, Component, LocalCluster, eventually, free_port, http_ok
+from vramshare_e2e.cluster import LocalCluster
+from vramshare_e2e.ports import free_port
+from vramshare_e2e.process import ClusterError, Component, eventually, http_ok
 
 API = "kueue.x-k8s.io/v1beta2"
 METRICS_CERTS = Path("/etc/kueue/metrics/certs")
@@ -42,7 +44,7 @@ def start_kueue(cluster: LocalCluster) -> Component:
     if METRICS_CERTS.exists():
         raise ClusterError(f"{METRICS_CERTS} exists already (another Kueue on this machine?): not touched")
     METRICS_CERTS.mkdir(parents=True)
-    cluster.cleanups.append(lambda: shutil.rmtree(METRICS_CERTS.parent.parent, ignore_errors=True))
+    cluster.on_cleanup(lambda: shutil.rmtree(METRICS_CERTS.parent.parent, ignore_errors=True))
     shutil.copy(pair.cert_path, METRICS_CERTS / "tls.crt")
     shutil.copy(pair.key_path, METRICS_CERTS / "tls.key")
     webhook, health, metrics = free_port(), free_port(), free_port()
@@ -73,8 +75,7 @@ def start_kueue(cluster: LocalCluster) -> Component:
         log_path=cluster.logs_dir / "kueue.log",
         ready=lambda: http_ok(f"http://127.0.0.1:{health}/readyz"),
     )
-    cluster.components["kueue"] = component
-    cluster.start_component("kueue")
+    cluster.add_component(component)
     cluster.apply_objects(_pod_webhooks(cluster, manifests.joinpath("webhooks.yaml").read_text(), webhook))
     return component
 

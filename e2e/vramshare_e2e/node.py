@@ -17,7 +17,6 @@ import contextlib
 import fcntl
 import json
 import os
-import shutil
 import subprocess
 import time
 from collections.abc import Iterator, Sequence
@@ -26,86 +25,14 @@ from pathlib import Path
 
 import yaml
 
-from vramshare_e2e.cluster import ClusterError, Component, LocalCluster, free_port, tools_bin_dir
-from vramshare_e2e.oci import File, Image, write_layout
-
-PAUSE_IMAGE = "registry.k8s.io/pause:3.10.2"
-TASK_IMAGE = "vramshare.local/task:1"
-"""busybox (Debian's busybox-static) with NVIDIA_VISIBLE_DEVICES=all set in the image, as CUDA images do."""
-BUSYBOX_APPLETS = ("sh", "env", "echo", "sleep", "cat", "ls", "true", "printenv")
-
-
-def node_bin(name: str) -> str:
-    path = tools_bin_dir() / name
-    if not path.exists():
-        raise ClusterError(f"{name} is not built: run make tools (REAL_NODE=1)")
-    return str(path)
-
-
-def images_cache() -> Path:
-    root = (
-        os.environ.get("VRAMSHARE_CACHE")
-        or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "vramshare"
-    )
-    return Path(root) / "node-images"
-
-
-def busybox_binary(cache: Path) -> Path:
-    """Debian's static busybox, downloaded once with apt-get download (unpacked, never installed)."""
-    target = cache / "busybox"
-    cache.mkdir(parents=True, exist_ok=True)
-    with (cache / ".busybox.lock").open("w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # parallel test workers: one downloads, the other waits
-        if not target.exists():
-            _download_busybox(cache, target)
-    return target
-
-
-def _download_busybox(cache: Path, target: Path) -> None:
-    work = cache / "busybox-deb"
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
-    download = ["apt-get", "download", "busybox-static"]
-    if subprocess.run(download, cwd=work, check=False, capture_output=True).returncode != 0:
-        # A fresh machine may have no package lists yet.
-        subprocess.run(["apt-get", "update", "-qq"], check=False, capture_output=True)
-        result = subprocess.run(download, cwd=work, check=False, capture_output=True, text=True)
-        if result.returncode != 0:
-            raise ClusterError(f"apt-get download busybox-static failed: {result.stderr.strip()}")
-    (deb,) = work.glob("busybox-static_*.deb")
-    subprocess.run(["dpkg-deb", "-x", str(deb), str(work / "x")], check=True)
-    shutil.copy2(work / "x" / "bin" / "busybox", target)
-    shutil.rmtree(work, ignore_errors=True)
-
-
-def node_images(cache: Path | None = None) -> list[Path]:
-    """The sandbox image and the task image as OCI layout tarballs (in `cache`, by default the tools'
-    cache; rewritten each time from the cached binaries, which takes milliseconds)."""
-    cache = cache or images_cache()
-    cache.mkdir(parents=True, exist_ok=True)
-    pause = write_layout(
-        Image(
-            reference=PAUSE_IMAGE,
-            files={"/pause": File(data=Path(node_bin("pause")).read_bytes())},
-            entrypoint=("/pause",),
-            user="65535:65535",
-        ),
-        cache / "pause.oci.tar",
-    )
-    busybox = busybox_binary(cache).read_bytes()
-    files = {"/bin/busybox": File(data=busybox)}
-    files |= {f"/bin/{a}": File(link="busybox") for a in BUSYBOX_APPLETS}
-    task = write_layout(
-        Image(
-            reference=TASK_IMAGE,
-            files=files,
-            cmd=("/bin/sh",),
-            env={"PATH": "/bin", "NVIDIA_VISIBLE_DEVICES": "all"},
-        ),
-        cache / "task.oci.tar",
-    )
-    return [pause, task]
-
+from vramshare_e2e.cluster import LocalCluster
+from vramshare_e2e.node_images import (
+    PAUSE_IMAGE,
+    node_images,
+)
+from vramshare_e2e.ports import free_port
+from vramshare_e2e.process import ClusterError, Component
+from vramshare_e2e.tools import images_cache, node_bin, tools_bin_dir
 
 NODE_NETWORK = "198.18.0.0/15"
 """Where node addresses come from: the range set aside for benchmarking networks (RFC 2544), so no
@@ -386,7 +313,7 @@ spec-dirs = ["{self.root / "cdi"}"]
         """Start containerd, import the images (the node's own and `images`, OCI archives), start the
         kubelet; the seconds until the Node is Ready."""
         started = time.monotonic()
-        self.cluster.cleanups.append(self.cleanup)
+        self.cluster.on_cleanup(self.cleanup)
         claim_address(self.name)
         for cgroup in self._cgroups():
             cgroup.mkdir(exist_ok=True)
@@ -405,8 +332,7 @@ spec-dirs = ["{self.root / "cdi"}"]
             ready=lambda: self.socket.exists() and self._ctr("version").returncode == 0,
             env=env,
         )
-        self.cluster.components[containerd.name] = containerd
-        self.cluster.start_component(containerd.name)
+        self.cluster.add_component(containerd)
         self.nri_socket.parent.mkdir(parents=True, exist_ok=True)
         nri_log = self.cluster.logs_dir / f"nvidia-cdi-nri-{self.name}.log"
         nri = Component(
@@ -415,8 +341,7 @@ spec-dirs = ["{self.root / "cdi"}"]
             log_path=nri_log,
             ready=lambda: "NRI plugin registered" in nri_log.read_text(errors="replace"),
         )
-        self.cluster.components[nri.name] = nri
-        self.cluster.start_component(nri.name)
+        self.cluster.add_component(nri)
         for tarball in [*node_images(), *images]:
             # Unpacked now, for the CRI's snapshotter: the first container need not wait for it.
             result = self._ctr("images", "import", "--snapshotter=overlayfs", "--all-platforms", str(tarball))
@@ -439,9 +364,7 @@ spec-dirs = ["{self.root / "cdi"}"]
             ready=self._node_ready,
             env=env,
         )
-        self.cluster.components[kubelet.name] = kubelet
-        kubelet.start()
-        kubelet.wait_ready(timeout_s=timeout_s)
+        self.cluster.add_component(kubelet, ready_timeout_s=timeout_s)
         return time.monotonic() - started
 
     def tag_image(self, source: str, target: str) -> None:

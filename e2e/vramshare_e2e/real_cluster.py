@@ -16,10 +16,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from vramshare_e2e.cluster import ClusterError, ClusterSettings, LocalCluster, say
+from vramshare_e2e.cluster import ClusterSettings, LocalCluster
 from vramshare_e2e.fleet import FakeGpu, FakeNode, Fleet, default_fleet, stable_gpu_uuid
 from vramshare_e2e.image import ProductImage, product_image
-from vramshare_e2e.node import RealNode, images_cache, node_address
+from vramshare_e2e.node import RealNode, node_address
+from vramshare_e2e.process import ClusterError, say
+from vramshare_e2e.tools import images_cache
 
 CHART = Path(__file__).resolve().parents[2] / "charts" / "vramshare"
 RELEASE, NAMESPACE = "vs", "vramshare-system"

@@ -14,8 +14,9 @@ from kubernetes import client, config
 
 from vramshare.domain.allocation import _rank
 from vramshare.kube.resources import ANNOTATION_GPU_UUID
-from vramshare_e2e.cluster import LocalCluster, eventually
+from vramshare_e2e.cluster import LocalCluster
 from vramshare_e2e.components import start_controller, start_webhook, webhook_configuration
+from vramshare_e2e.process import eventually
 
 
 def agreeing_identities(gpus: list[str]) -> dict[str, str]:

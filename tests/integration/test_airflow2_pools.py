@@ -17,8 +17,9 @@ import pytest
 
 from vramshare.airflow_pools import AIRFLOW_2, AirflowAccess, AirflowPools, AirflowUnavailableError
 from vramshare_e2e.airflow import PASSWORD, USER, VIEWER, airflow2_webserver
-from vramshare_e2e.cluster import LocalCluster, eventually
+from vramshare_e2e.cluster import LocalCluster
 from vramshare_e2e.components import start_controller
+from vramshare_e2e.process import eventually
 
 POOL = "NODE_GPU_COUNT"
 
@@ -123,7 +124,7 @@ def test_the_controller_keeps_an_airflow_2_pool_at_the_ready_gpus(airflow2: str,
                 return None
 
         eventually(lambda: slots() == gpus, what=f"the pool created with {gpus} slots", timeout_s=60)
-        log = cluster.components["controller"].log_path.read_text().splitlines()
+        log = cluster.component("controller").log_path.read_text().splitlines()
         # Created once, then followed: a first poll that saw only some GPUs ready sets fewer slots
         # (seen on a loaded machine), and the next one raises them.
         lines = [json.loads(x) for x in log if "Airflow pool slots set" in x]

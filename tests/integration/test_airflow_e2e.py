@@ -31,13 +31,14 @@ from vramshare_e2e.airflow import (
     prepare,
     start_api_server,
 )
-from vramshare_e2e.cluster import LocalCluster, eventually
+from vramshare_e2e.cluster import LocalCluster
 from vramshare_e2e.components import (
     start_controller,
     start_webhook,
     wait_for_gpu_devices,
     webhook_configuration,
 )
+from vramshare_e2e.process import eventually
 
 pytestmark = pytest.mark.cluster
 
@@ -145,7 +146,7 @@ def output_freeing_blockers(
 
 def decided(stack: Stack, pod_prefix: str, outcome: str) -> bool:
     """Whether the webhook has logged a decision `outcome` for a pod whose name starts so."""
-    for line in stack.cluster.components["webhook"].log_path.read_text().splitlines():
+    for line in stack.cluster.component("webhook").log_path.read_text().splitlines():
         if '"decision"' in line and f'"{outcome}"' in line:
             entry = json.loads(line)
             if entry.get("outcome") == outcome and str(entry.get("pod", "")).startswith(pod_prefix):
@@ -218,7 +219,7 @@ def test_the_pool_follows_ready_gpus_within_one_inventory_interval(stack: Stack)
 def test_airflow_away_is_logged_once_and_the_pool_is_set_when_it_returns(stack: Stack) -> None:
     cluster = stack.cluster
     gpus = [g.uuid for _, g in cluster.settings.fleet.all_gpus()]
-    log = cluster.components["controller"].log_path
+    log = cluster.component("controller").log_path
     eventually(lambda: pool_slots(stack.api_port, POOL) == len(gpus), what="the pool in step")
     cluster.stop_component("airflow-api-server")
     try:

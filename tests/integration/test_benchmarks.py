@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from vramshare_e2e import bench_admission, bench_controller, bench_fleet, bench_packing
+from vramshare_e2e import bench_admission, bench_controller, bench_fleet, bench_measure, bench_packing
 
 
 def test_packing_smoke(tmp_path: Path) -> None:
@@ -105,7 +105,7 @@ def test_admission_smoke(tmp_path: Path) -> None:
         # replica's 6 pods of a level can take less).
         assert cost["one_write_floor"]["api_requests"]["floorbookings/post"] == 1
         assert "gpureservations/post" not in cost["one_write_floor"]["api_requests"]
-        floor_cpu_ms += [cost["one_write_floor"]["cpu_ms"][name] for name in bench_admission.FLOOR_WEBHOOKS]
+        floor_cpu_ms += [cost["one_write_floor"]["cpu_ms"][name] for name in bench_measure.FLOOR_WEBHOOKS]
         # The webhook's one read per admission: the pod's name (a taken name books nothing).
         assert cost["vramshare"]["api_requests"]["pods/get"] >= 1
         # The controller binds a booking in one status write, once its pod runs (bind_wait_s), now

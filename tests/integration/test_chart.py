@@ -17,7 +17,7 @@ from vramshare.controller.settings import ControllerSettings
 from vramshare.domain import Accounting
 from vramshare.settings import variables
 from vramshare_e2e import chart_docs
-from vramshare_e2e.cluster import tools_bin_dir
+from vramshare_e2e.tools import tools_bin_dir
 from vramshare_webhook.metrics import WebhookMetrics
 from vramshare_webhook.settings import WebhookSettings
 

@@ -12,8 +12,10 @@ from typing import Any
 
 import pytest
 
-from vramshare_e2e.cluster import RUN_DURATION_ANNOTATION, LocalCluster, eventually, free_port
+from vramshare_e2e.cluster import RUN_DURATION_ANNOTATION, LocalCluster
 from vramshare_e2e.components import start_controller, start_webhook
+from vramshare_e2e.ports import free_port
+from vramshare_e2e.process import eventually
 
 pytestmark = pytest.mark.cluster
 CHART = Path(__file__).resolve().parents[2] / "charts" / "vramshare"
@@ -253,7 +255,7 @@ def test_vramshare_runs_as_the_chart_identities(stack: LocalCluster) -> None:
     released = eventually(placed, what="the queued pod placed by the controller", timeout_s=30)
     assert released["metadata"]["annotations"]["vramshare.io/gpu-uuid"].startswith("GPU-")
     for component in ("webhook", "controller"):
-        log = stack.components[component].log_path.read_text()
+        log = stack.component(component).log_path.read_text()
         assert "forbidden" not in log.lower(), log[-3000:]
     lease = json.loads(stack.kubectl("get", "lease", "t-vramshare-controller", "-n", NS, "-o", "json"))
     assert "vramshare.io/inventory-heartbeat" in lease["metadata"]["annotations"]

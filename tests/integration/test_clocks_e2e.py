@@ -15,8 +15,10 @@ import pytest
 
 from vramshare.kube.resources import ANNOTATION_GPU_UUID, ANNOTATION_RESERVATION
 from vramshare_e2e.admission_parts import SIDECAR, start_mutating_webhook
-from vramshare_e2e.cluster import LocalCluster, apt_install, eventually
+from vramshare_e2e.cluster import LocalCluster
 from vramshare_e2e.components import bare_booking, start_controller, start_webhook, webhook_configuration
+from vramshare_e2e.process import eventually
+from vramshare_e2e.tools import apt_install
 
 pytestmark = pytest.mark.cluster
 

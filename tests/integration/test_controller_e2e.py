@@ -19,7 +19,7 @@ import yaml
 from kubernetes import client, config
 
 from vramshare.kube.resources import ANNOTATION_GPU_UUID, ANNOTATION_RESERVATION, device_name
-from vramshare_e2e.cluster import RUN_DURATION_ANNOTATION, LocalCluster, eventually, tools_bin_dir
+from vramshare_e2e.cluster import RUN_DURATION_ANNOTATION, LocalCluster
 from vramshare_e2e.components import (
     bare_booking,
     metric,
@@ -28,6 +28,8 @@ from vramshare_e2e.components import (
     webhook_configuration,
 )
 from vramshare_e2e.plugin import build as build_plugin
+from vramshare_e2e.process import eventually
+from vramshare_e2e.tools import tools_bin_dir
 
 pytestmark = pytest.mark.cluster
 
@@ -115,7 +117,7 @@ def test_devices_appear_and_follow_used_memory(stack: LocalCluster) -> None:
     assert dev["status"]["observedGeneration"] == generation
     assert {c["observedGeneration"] for c in dev["status"]["conditions"]} == {generation}
     assert all(c["reason"] and c["lastTransitionTime"] for c in dev["status"]["conditions"])
-    port = stack.components["controller-1"].env["VRAMSHARE_METRICS_PORT"]  # type: ignore[index]
+    port = stack.component("controller-1").env["VRAMSHARE_METRICS_PORT"]  # type: ignore[index]
     # The metrics are exported at the end of the poll that wrote the devices.
     eventually(
         lambda: (
@@ -281,7 +283,7 @@ def test_prometheus_outage_marks_stale_and_recovers(stack: LocalCluster, core: c
         what="Ready again",
         timeout_s=30,
     )
-    log = stack.components["controller-1"].log_path.read_text()
+    log = stack.component("controller-1").log_path.read_text()
     assert log.count("Prometheus unreachable") == 1  # logged once per outage
     assert "Prometheus reachable again" in log
     assert ledger_of(stack) == before  # no booking ended or moved: the pods still run
@@ -330,7 +332,7 @@ def test_killed_controller_loses_no_reservation(stack: LocalCluster, core: clien
 
 
 def test_with_two_controllers_only_one_acts_and_the_other_takes_over(stack: LocalCluster) -> None:
-    first = stack.components["controller-1"]
+    first = stack.component("controller-1")
     _, second_port = start_controller(stack, name="controller-2", env=CONTROLLER_ENV)
     try:
         lease = json.loads(
@@ -339,8 +341,8 @@ def test_with_two_controllers_only_one_acts_and_the_other_takes_over(stack: Loca
         assert lease["spec"]["holderIdentity"] == "controller-1"
         time.sleep(3)
         assert metric(second_port, "vramshare_controller_leader") == 0.0
-        assert "standing by" in stack.components["controller-2"].log_path.read_text()
-        assert "GPU state changed" not in stack.components["controller-2"].log_path.read_text()
+        assert "standing by" in stack.component("controller-2").log_path.read_text()
+        assert "GPU state changed" not in stack.component("controller-2").log_path.read_text()
         # A rolling update: SIGTERM. The leader stops its loops, exits, and releases the Lease, so
         # the stand-by takes over within a retry period instead of a whole lease duration.
         started = time.monotonic()
@@ -359,7 +361,7 @@ def test_with_two_controllers_only_one_acts_and_the_other_takes_over(stack: Loca
         # unchanged for its duration by its own clock.
         stack.start_component("controller-1")
         eventually(lambda: "standing by" in first.log_path.read_text(), what="controller-1 standing by")
-        second = stack.components["controller-2"]
+        second = stack.component("controller-2")
         second.stop(kill=True)
         started = time.monotonic()
         eventually(lambda: lease_holder(stack) == "controller-1", what="failover", timeout_s=15)
@@ -369,9 +371,9 @@ def test_with_two_controllers_only_one_acts_and_the_other_takes_over(stack: Loca
         )
     finally:
         for name in ("controller-1", "controller-2"):
-            if stack.components[name].process is None:
+            if stack.component(name).process is None:
                 stack.start_component(name)
-        stack.components["controller-2"].stop()  # controller-1 leads, for the tests after this one
+        stack.component("controller-2").stop()  # controller-1 leads, for the tests after this one
         eventually(lambda: lease_holder(stack) == "controller-1", what="controller-1 leading", timeout_s=15)
 
 

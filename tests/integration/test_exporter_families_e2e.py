@@ -15,9 +15,10 @@ from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
 from vramshare.kube.resources import ANNOTATION_GPU_UUID, ANNOTATION_RESERVATION
-from vramshare_e2e.cluster import ClusterSettings, LocalCluster, eventually
+from vramshare_e2e.cluster import ClusterSettings, LocalCluster
 from vramshare_e2e.components import metric, start_controller, start_webhook, webhook_configuration
 from vramshare_e2e.fleet import FakeGpu, FakeNode, Fleet, stable_gpu_uuid
+from vramshare_e2e.process import eventually
 
 pytestmark = pytest.mark.cluster
 
@@ -202,7 +203,7 @@ def test_an_exporter_writing_its_pod_name_as_the_node_is_loud_and_harmless(
     stack: tuple[LocalCluster, int],
 ) -> None:
     cluster, port = stack
-    log = cluster.components["controller"].log_path
+    log = cluster.component("controller").log_path
     cluster.exporter.set_flavour("pod-hostname")
     try:
         eventually(

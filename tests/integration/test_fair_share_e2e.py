@@ -15,7 +15,7 @@ from kubernetes import client, config
 
 from vramshare.kube.pods import QUEUE_GATE
 from vramshare.kube.resources import LABEL_QUEUE_WEIGHT
-from vramshare_e2e.cluster import RUN_DURATION_ANNOTATION, ClusterSettings, LocalCluster, eventually
+from vramshare_e2e.cluster import RUN_DURATION_ANNOTATION, ClusterSettings, LocalCluster
 from vramshare_e2e.components import (
     start_controller,
     start_webhook,
@@ -23,6 +23,7 @@ from vramshare_e2e.components import (
     webhook_configuration,
 )
 from vramshare_e2e.fleet import FakeGpu, FakeNode, Fleet, stable_gpu_uuid
+from vramshare_e2e.process import eventually
 
 pytestmark = pytest.mark.cluster
 

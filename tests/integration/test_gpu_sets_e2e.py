@@ -20,13 +20,14 @@ from kubernetes import client, config
 
 from vramshare.kube.resources import ANNOTATION_GPU_UUID, ANNOTATION_NODE, ANNOTATION_RESERVATION
 from vramshare_e2e.admission_parts import SIDECAR, start_mutating_webhook
-from vramshare_e2e.cluster import RUN_DURATION_ANNOTATION, LocalCluster, eventually
+from vramshare_e2e.cluster import RUN_DURATION_ANNOTATION, LocalCluster
 from vramshare_e2e.components import (
     start_controller,
     start_webhook,
     wait_for_gpu_devices,
     webhook_configuration,
 )
+from vramshare_e2e.process import eventually
 
 pytestmark = pytest.mark.cluster
 

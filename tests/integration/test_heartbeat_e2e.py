@@ -18,8 +18,9 @@ from kubernetes.client.exceptions import ApiException
 
 from vramshare.kube.heartbeat import ANNOTATION_HEARTBEAT
 from vramshare.kube.resources import ANNOTATION_GPU_UUID, parse_time
-from vramshare_e2e.cluster import LocalCluster, eventually
+from vramshare_e2e.cluster import LocalCluster
 from vramshare_e2e.components import start_controller, start_webhook, webhook_configuration
+from vramshare_e2e.process import eventually
 
 pytestmark = pytest.mark.cluster
 
@@ -64,7 +65,7 @@ def heartbeat(stack: LocalCluster) -> dict[str, Any] | None:
 
 
 def status_writes(stack: LocalCluster, why: str) -> float:
-    port = stack.components["controller"].env["VRAMSHARE_METRICS_PORT"]  # type: ignore[index]
+    port = stack.component("controller").env["VRAMSHARE_METRICS_PORT"]  # type: ignore[index]
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
         text = resp.read().decode()
     found = re.search(rf'^vramshare_gpudevice_status_writes_total\{{why="{why}"\}} (\S+)$', text, re.M)

@@ -16,7 +16,7 @@ from kubernetes import client, config
 
 from vramshare.kube.pods import KUEUE_GATE, QUEUE_GATE
 from vramshare.kube.resources import ANNOTATION_GPU_UUID, ANNOTATION_RESERVATION, MEMORY_RESOURCE
-from vramshare_e2e.cluster import RUN_DURATION_ANNOTATION, LocalCluster, eventually
+from vramshare_e2e.cluster import RUN_DURATION_ANNOTATION, LocalCluster
 from vramshare_e2e.components import (
     start_controller,
     start_webhook,
@@ -24,6 +24,7 @@ from vramshare_e2e.components import (
     webhook_configuration,
 )
 from vramshare_e2e.kueue import SELECTOR_LABEL, gpu_memory_queue, start_kueue
+from vramshare_e2e.process import eventually
 from vramshare_webhook.memory_resource import quantity
 
 pytestmark = pytest.mark.cluster

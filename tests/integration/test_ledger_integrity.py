@@ -25,8 +25,9 @@ from vramshare.kube.resources import (
     parse_time,
 )
 from vramshare_e2e.admission_parts import SIDECAR, start_delay_proxy, start_mutating_webhook
-from vramshare_e2e.cluster import RUN_DURATION_ANNOTATION, LocalCluster, eventually
+from vramshare_e2e.cluster import RUN_DURATION_ANNOTATION, LocalCluster
 from vramshare_e2e.components import POD_CREATE, start_controller, start_webhook, webhook_configuration
+from vramshare_e2e.process import eventually
 
 pytestmark = pytest.mark.cluster
 

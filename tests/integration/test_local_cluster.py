@@ -12,13 +12,8 @@ from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 
 from vramshare_e2e import cluster as cluster_module
-from vramshare_e2e.cluster import (
-    EXIT_CODE_ANNOTATION,
-    RUN_DURATION_ANNOTATION,
-    ClusterSettings,
-    LocalCluster,
-    eventually,
-)
+from vramshare_e2e.cluster import EXIT_CODE_ANNOTATION, RUN_DURATION_ANNOTATION, ClusterSettings, LocalCluster
+from vramshare_e2e.process import eventually
 
 pytestmark = pytest.mark.cluster
 
@@ -216,7 +211,7 @@ def test_a_port_taken_before_its_component_binds_it_starts_again_on_new_ports(
         small = LocalCluster.start(settings=etcd_and_api_server_only())
         try:
             assert port not in small.ports.values()
-            assert all(c.running for c in small.components.values())
+            assert all(c.running for c in small.components)
             assert small.kubectl("get", "--raw", "/readyz") == "ok"
         finally:
             small.stop()

@@ -13,7 +13,7 @@ import pytest
 from kubernetes import client, config
 
 from vramshare.kube.resources import ANNOTATION_GPU_UUID, ANNOTATION_NODE
-from vramshare_e2e.cluster import LocalCluster, eventually
+from vramshare_e2e.cluster import LocalCluster
 from vramshare_e2e.components import (
     metric,
     start_controller,
@@ -21,6 +21,7 @@ from vramshare_e2e.components import (
     wait_for_gpu_devices,
     webhook_configuration,
 )
+from vramshare_e2e.process import eventually
 
 pytestmark = pytest.mark.cluster
 
@@ -231,7 +232,7 @@ def test_a_booked_pod_that_stays_unschedulable_gets_a_warning_and_counts_in_the_
     assert event.type == "Warning"
     assert "2000 MiB are booked" in event.message
     assert "Insufficient cpu" in event.message
-    port = int(stack.components["controller"].env["VRAMSHARE_METRICS_PORT"])  # type: ignore[index]
+    port = int(stack.component("controller").env["VRAMSHARE_METRICS_PORT"])  # type: ignore[index]
     assert metric(port, "vramshare_unschedulable_gpu_pods") == 1.0
     core.delete_namespaced_pod("cpu-hungry", NS)
     eventually(lambda: metric(port, "vramshare_unschedulable_gpu_pods") == 0.0, what="the gauge back to 0")

@@ -15,8 +15,9 @@ from typing import Any
 import pytest
 
 from vramshare_e2e.admission_parts import start_auth_proxy
-from vramshare_e2e.cluster import LocalCluster, eventually
+from vramshare_e2e.cluster import LocalCluster
 from vramshare_e2e.components import start_controller, wait_for_gpu_devices
+from vramshare_e2e.process import eventually
 
 pytestmark = pytest.mark.cluster
 
@@ -70,6 +71,6 @@ def test_the_inventory_is_read_through_an_authenticating_https_gateway(
     eventually(lambda: states(cluster) == {"Stale"}, what="GPUs Stale while Prometheus refuses")
     token_file.write_text(TOKEN + "\n")
     eventually(lambda: states(cluster) == {"Ready"}, what="Ready again with the rotated token")
-    log = cluster.components["controller"].log_path.read_text()
+    log = cluster.component("controller").log_path.read_text()
     assert "Prometheus unreachable" in log
     assert "401" in log

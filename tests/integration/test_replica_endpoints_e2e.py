@@ -19,7 +19,8 @@ from tests.integration.replica_deal import (
     start_two_replicas,
 )
 from vramshare.kube.replicas import LABEL_WEBHOOK_REPLICA
-from vramshare_e2e.cluster import LocalCluster, eventually
+from vramshare_e2e.cluster import LocalCluster
+from vramshare_e2e.process import eventually
 
 pytestmark = pytest.mark.cluster
 

@@ -19,13 +19,14 @@ from kubernetes import client, config
 
 from vramshare.kube.resources import ANNOTATION_GPU_UUID
 from vramshare_e2e.admission_parts import start_endpoints
-from vramshare_e2e.cluster import LocalCluster, eventually
+from vramshare_e2e.cluster import LocalCluster
 from vramshare_e2e.components import (
     start_controller,
     start_webhook,
     wait_for_gpu_devices,
     webhook_configuration,
 )
+from vramshare_e2e.process import eventually
 
 pytestmark = pytest.mark.cluster
 
@@ -81,7 +82,7 @@ def test_a_rolling_restart_of_both_replicas_under_load_fails_no_pod_creation(sta
     restarts = []
     for name in ("webhook-1", "webhook-2"):  # one at a time, as maxUnavailable: 1 does
         time.sleep(2)
-        replica = stack.components[name]
+        replica = stack.component(name)
         stopping = time.monotonic()
         replica.stop()  # SIGTERM, and wait for it to exit
         restarts.append(time.monotonic() - stopping)
@@ -97,8 +98,8 @@ def test_a_rolling_restart_of_both_replicas_under_load_fails_no_pod_creation(sta
     assert outcomes == {"pinned": PODS}, failures[:5]
     # Both replicas answered: the load really went through the restarts.
     answered = [
-        stack.components[n].log_path.read_text().count('"outcome": "admitted"')
-        + stack.components[n].log_path.read_text().count("outcome=admitted")
+        stack.component(n).log_path.read_text().count('"outcome": "admitted"')
+        + stack.component(n).log_path.read_text().count("outcome=admitted")
         for n in ("webhook-1", "webhook-2")
     ]
     assert all(answered), answered

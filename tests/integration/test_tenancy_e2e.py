@@ -27,13 +27,14 @@ from kubernetes.client.rest import ApiException
 
 from vramshare.kube.resources import MEMORY_RESOURCE
 from vramshare_e2e.admission_parts import start_endpoints
-from vramshare_e2e.cluster import RUN_DURATION_ANNOTATION, LocalCluster, eventually
+from vramshare_e2e.cluster import RUN_DURATION_ANNOTATION, LocalCluster
 from vramshare_e2e.components import (
     start_controller,
     start_webhook,
     wait_for_gpu_devices,
     webhook_configuration,
 )
+from vramshare_e2e.process import eventually
 from vramshare_webhook.memory_resource import quantity
 
 pytestmark = pytest.mark.cluster

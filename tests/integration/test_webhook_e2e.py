@@ -173,7 +173,7 @@ def test_spoofed_variables_and_annotations_are_overwritten(
     # And it is logged, at warning level: what the pod tried to set, and who created it.
     lines = [
         json.loads(line)
-        for line in cluster.components["webhook-a"].log_path.read_text().splitlines()
+        for line in cluster.component("webhook-a").log_path.read_text().splitlines()
         if line.startswith("{") and "only vramshare sets" in line
     ]
     (logged,) = [line for line in lines if line["pod"].endswith("/spoof")]

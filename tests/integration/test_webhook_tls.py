@@ -16,8 +16,9 @@ from cryptography import x509
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
-from vramshare_e2e.cluster import LocalCluster, free_port
+from vramshare_e2e.cluster import LocalCluster
 from vramshare_e2e.components import seed_inventory, start_webhook, webhook_configuration
+from vramshare_e2e.ports import free_port
 
 pytestmark = pytest.mark.cluster
 CONFIG = "vramshare-selfmanaged"

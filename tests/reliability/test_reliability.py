@@ -31,8 +31,9 @@ from tests import hostile_reviews
 from vramshare.kube.heartbeat import ANNOTATION_HEARTBEAT
 from vramshare.kube.resources import ANNOTATION_RESERVATION
 from vramshare_e2e.admission_parts import start_mutating_webhook
-from vramshare_e2e.cluster import LocalCluster, eventually
+from vramshare_e2e.cluster import LocalCluster
 from vramshare_e2e.components import metric, start_controller, start_webhook, webhook_configuration
+from vramshare_e2e.process import eventually
 
 pytestmark = pytest.mark.cluster
 PODS = int(os.environ.get("RELIABILITY_PODS", "300"))
@@ -392,7 +393,7 @@ def test_api_server_restart_is_survived_without_restarting_vramshare(stack: Stac
         what="the lifecycle to move on",
         timeout_s=30,
     )
-    for component in stack.cluster.components.values():
+    for component in stack.cluster.components:
         assert component.running, f"{component.name} died with the API server"
 
 
@@ -440,7 +441,7 @@ def test_fuzzed_admission_reviews_get_a_review_or_a_400(stack: Stack) -> None:
     check()
     with urllib.request.urlopen(f"https://127.0.0.1:{port}/healthz", context=ctx, timeout=5) as resp:
         assert resp.status == 200
-    assert stack.cluster.components["webhook-r1"].running
+    assert stack.cluster.component("webhook-r1").running
     report(
         f"fuzzing: {sum(statuses.values())} generated reviews in {time.monotonic() - started:.0f} s, "
         f"answers {dict(statuses)}, no 500, server still serving"

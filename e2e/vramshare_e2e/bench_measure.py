@@ -1,0 +1,190 @@
+"""What the admission benchmark measures of the running stack: latencies and their percentiles, pod
+creation under concurrency, the webhook's own metrics, API requests, CPU seconds and memory per
+component, and ratios against a baseline."""
+
+from __future__ import annotations
+
+import os
+import re
+import ssl
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from kubernetes import client
+
+from vramshare_e2e.cluster import LocalCluster
+
+FLOOR_WEBHOOKS = ("e2e-one-write-0", "e2e-one-write-1")
+
+
+CPU_OF = ("kube-apiserver", "etcd", "webhook-a", "webhook-b", "controller", "kwok", *FLOOR_WEBHOOKS)
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def latency_stats(latencies: list[float], wall_s: float) -> dict[str, float]:
+    return {
+        "p50_ms": round(percentile(latencies, 0.50) * 1000, 2),
+        "p95_ms": round(percentile(latencies, 0.95) * 1000, 2),
+        "p99_ms": round(percentile(latencies, 0.99) * 1000, 2),
+        "pods_per_s": round(len(latencies) / wall_s, 1),
+    }
+
+
+def create_pods(
+    core: Any, namespaces: list[str], pods: int, concurrency: int, annotated: bool, tag: str
+) -> tuple[list[float], float, int]:
+    def one(i: int) -> tuple[float, bool]:
+        body = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": f"{tag}-{i}", "annotations": {"gpu-mem-mb": "10"} if annotated else {}},
+            "spec": {
+                "restartPolicy": "Never",
+                "containers": [{"name": "base", "image": "example.invalid/x"}],
+            },
+        }
+        started = time.perf_counter()
+        try:
+            core.create_namespaced_pod(namespaces[i % len(namespaces)], body)
+            ok = True
+        except client.exceptions.ApiException:
+            ok = False
+        return time.perf_counter() - started, ok
+
+    started = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+        results = list(pool.map(one, range(pods)))
+    wall = time.perf_counter() - started
+    return [r[0] for r in results], wall, sum(1 for r in results if not r[1])
+
+
+def webhook_metrics(ports: list[int]) -> dict[str, float]:
+    ctx = ssl.create_default_context()
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    totals: dict[str, float] = {}
+    for port in ports:
+        with urllib.request.urlopen(f"https://127.0.0.1:{port}/metrics", context=ctx, timeout=5) as resp:
+            for line in resp.read().decode().splitlines():
+                m = re.match(r"^(vramshare_webhook_[a-z_]+(?:\{[^}]*\})?) ([0-9.e+-]+)$", line)
+                if m:
+                    totals[m.group(1)] = totals.get(m.group(1), 0.0) + float(m.group(2))
+    return totals
+
+
+def api_requests(cluster: LocalCluster) -> dict[str, float]:
+    """The API server's own count of the requests it served, `<resource>/<verb>` (watches left out:
+    they are streams, not work per pod), from its /metrics."""
+    totals: dict[str, float] = {}
+    for line in cluster.kubectl("get", "--raw", "/metrics").splitlines():
+        if not line.startswith("apiserver_request_total{"):
+            continue
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', line[: line.rindex("}")]))
+        if labels.get("verb") == "WATCH":
+            continue
+        key = f"{labels.get('resource', '')}/{labels.get('verb', '').lower()}"
+        totals[key] = totals.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+    return totals
+
+
+def cpu_seconds(cluster: LocalCluster) -> dict[str, float]:
+    """CPU seconds (user + system) each component has used so far, from /proc."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for name in CPU_OF:
+        component = cluster.find_component(name)
+        process = getattr(component, "process", None)
+        if process is None:
+            continue
+        try:
+            fields = Path(f"/proc/{process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[name] = (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def decision_quantiles(
+    before: dict[str, float], after: dict[str, float], metric: str = "decision"
+) -> dict[str, float]:
+    buckets = sorted(
+        (float(m.group(1)), after[k] - before.get(k, 0.0))
+        for k in after
+        if (m := re.match(rf'vramshare_webhook_{metric}_seconds_bucket\{{le="([^"]+)"\}}', k))
+    )
+    total = buckets[-1][1] if buckets else 0
+
+    def q(x: float) -> float:
+        return next((b for b, n in buckets if n >= x * total), float("inf")) * 1000
+
+    count = after.get(f"vramshare_webhook_{metric}_seconds_count", 0) - before.get(
+        f"vramshare_webhook_{metric}_seconds_count", 0
+    )
+    mean = (
+        (
+            after.get(f"vramshare_webhook_{metric}_seconds_sum", 0)
+            - before.get(f"vramshare_webhook_{metric}_seconds_sum", 0)
+        )
+        / count
+        * 1000
+        if count
+        else 0.0
+    )
+    return {"p50_ms_at_most": q(0.5), "p99_ms_at_most": q(0.99), "mean_ms": round(mean, 3)}
+
+
+def peak_rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return round(int(line.split()[1]) / 1024, 1)
+    return float("nan")
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return round(int(line.split()[1]) / 1024, 1)
+    return float("nan")
+
+
+def ratios(row: dict[str, float], against: dict[str, float]) -> dict[str, float]:
+    return {
+        "ratio_p50": round(row["p50_ms"] / against["p50_ms"], 2),
+        "ratio_p99": round(row["p99_ms"] / against["p99_ms"], 2),
+        "throughput_ratio": round(row["pods_per_s"] / against["pods_per_s"], 2),
+    }
+
+
+def writes_between(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for key, value in after.items():
+        m = re.match(r'vramshare_webhook_api_writes_total\{resource="([^"]+)",verb="([^"]+)"\}', key)
+        if m:
+            out[f"{m.group(1)}/{m.group(2)}"] = value - before.get(key, 0.0)
+    return out
+
+
+# The one-write floor's two replicas, as start_one_write_webhooks names them.
+
+
+SETTLE_S = 3.0
+
+
+def clean_namespaces(cluster: LocalCluster, namespaces: list[str]) -> None:
+    """Delete every pod and booking, and wait until the controller has let the bookings go (each waits
+    for its pod to be gone: vramshare's finalizer), so the next round starts on an empty ledger."""
+    for ns in namespaces:
+        cluster.kubectl("delete", "pods", "--all", "-n", ns, "--wait=false", "--grace-period=0", "--force")
+        cluster.kubectl("delete", "gpureservations", "--all", "-n", ns, "--wait=false")
+    cluster.wait_for(
+        lambda: not cluster.kubectl("get", "gpureservations", "-A", "-o", "name").split(),
+        what="every booking gone",
+        timeout_s=120,
+    )
