@@ -15,7 +15,11 @@ RUN python -c 'import tomllib; print("\n".join(tomllib.load(open("pyproject.toml
 COPY README.md ./
 COPY operator/ operator/
 COPY webhook/ webhook/
-RUN pip wheel --no-deps --wheel-dir /wheels .
+# The digest of the sources (e2e/tools/build-image.sh passes it) makes this step as fresh as the final
+# stage's: buildah once mounted an empty /wheels into a final step built anew from this stage reused
+# from its cache (the sources unchanged, their digest not).
+ARG SOURCE_DIGEST=""
+RUN echo "sources ${SOURCE_DIGEST:-unknown}" > /wheels.sources && pip wheel --no-deps --wheel-dir /wheels .
 
 # Final stage: the wheels installed into a virtualenv, no compilers, no build files, non-root.
 FROM ${PYTHON_IMAGE}
