@@ -391,6 +391,92 @@ def test_no_way_around_pinning_and_hiding(stack: LocalCluster) -> None:
         assert said in refused, (namespace, refused)
 
 
+def test_subresources_and_gates_are_no_way_around_the_ledger(stack: LocalCluster, tmp_path: Path) -> None:
+    """Issue #42, holes 1, 3 and 5, done as a tenant does them (runs after the flow above): placement
+    marks forged through pods/status and through the ephemeral-containers update, and vramshare's own
+    scheduling gate lifted by the pod's owner."""
+
+    def pod(name: str) -> dict[str, Any]:
+        return json.loads(stack.kubectl("get", "pod", name, "-n", "jobs", "-o", "json"))
+
+    # pods/status keeps the labels and annotations a client sends: the pinning policy matches it too.
+    for name, patch, said in (
+        (
+            "task",
+            {"metadata": {"annotations": {"vramshare.io/gpu-uuid": "all"}}},
+            "cannot be added, changed or removed afterwards",
+        ),
+        (
+            "plain-debugged",
+            {"metadata": {"annotations": {"nvidia.cdi.k8s.io/pod": "nvidia.com/gpu=all"}}},
+            "cannot be added to or changed on a pod after its admission",
+        ),
+    ):
+        out = stack.kubectl(
+            "patch", "pod", name, "-n", "jobs", "--subresource=status", "--type=merge",
+            "-p", json.dumps(patch), check=False,
+        )  # fmt: skip
+        assert said in out, (name, out)
+    assert pod("task")["metadata"]["annotations"]["vramshare.io/gpu-uuid"] != "all"
+
+    # The ephemeral-containers update, with the placement marks forged in the object sent: the debug
+    # container gets the stored pod's own GPUs (or none), never what the client wrote.
+    placed_uuid = pod("debugged")["metadata"]["annotations"]["vramshare.io/gpu-uuid"]
+    for name, expected in (("plain-debugged", "void"), ("debugged", placed_uuid)):
+        body = pod(name)
+        body["metadata"].setdefault("annotations", {})["vramshare.io/gpu-uuid"] = "all"
+        body["metadata"].setdefault("labels", {})["vramshare.io/reservation"] = pod("debugged")["metadata"][
+            "labels"
+        ]["vramshare.io/reservation"]
+        body["spec"]["ephemeralContainers"] = [
+            *body["spec"].get("ephemeralContainers", []),
+            {"name": "grab", "image": "example.invalid/busybox"},
+        ]
+        sent = tmp_path / f"{name}.json"
+        sent.write_text(json.dumps(body))
+        stack.kubectl(
+            "replace", "--raw", f"/api/v1/namespaces/jobs/pods/{name}/ephemeralcontainers", "-f", str(sent)
+        )
+        after = pod(name)
+        (grab,) = [c for c in after["spec"]["ephemeralContainers"] if c["name"] == "grab"]
+        env = {e["name"]: e.get("value") for e in grab.get("env", [])}
+        assert env.get("NVIDIA_VISIBLE_DEVICES") == expected, (name, grab)
+        assert after["metadata"].get("annotations", {}).get("vramshare.io/gpu-uuid") != "all"
+
+    # vramshare's scheduling gate is lifted by its controller only.
+    gated = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "gated-by-vramshare", "namespace": "jobs"},
+        "spec": {
+            "schedulingGates": [{"name": "vramshare.io/gpu-memory"}],
+            "containers": [{"name": "base", "image": "example.invalid/x"}],
+        },
+    }
+    stack.kubectl("create", "-f", "-", stdin=json.dumps(gated))
+    lift = ["patch", "pod", "gated-by-vramshare", "-n", "jobs", "--type=json", "-p",
+            json.dumps([{"op": "remove", "path": "/spec/schedulingGates"}])]  # fmt: skip
+    refused = stack.kubectl(*lift, check=False)
+    assert "scheduling gate vramshare.io/gpu-memory is lifted only by vramshare's controller" in refused, (
+        refused
+    )
+    assert pod("gated-by-vramshare")["spec"]["schedulingGates"] == [{"name": "vramshare.io/gpu-memory"}]
+    lifted = stack.kubectl(*lift, f"--as=system:serviceaccount:{NS}:{CONTROLLER_SA}", check=False)
+    assert "patched" in lifted, lifted
+
+    # With the webhook down, a debug container that brings no NVIDIA_VISIBLE_DEVICES is refused.
+    stack.stop_component("webhook")
+    try:
+        out = stack.kubectl(
+            "debug", "pod/plain-debugged", "-n", "jobs", "--image=example.invalid/busybox",
+            "--container=while-down", check=False,
+        )  # fmt: skip
+    finally:
+        stack.start_component("webhook")
+    assert "a debug container sees the pod's own GPUs" in out, out
+    assert all(c["name"] != "while-down" for c in pod("plain-debugged")["spec"]["ephemeralContainers"])
+
+
 def test_with_the_webhook_down_hiding_fails_closed_for_every_gpu_field(stack: LocalCluster) -> None:
     """The hide-gpus webhook fails open (failurePolicy Ignore, so pods are created while it is down);
     the chart's policy refuses the GPU requests it would have removed (runs after the flow above)."""
@@ -454,6 +540,62 @@ def test_with_the_webhook_down_hiding_fails_closed_for_every_gpu_field(stack: Lo
     # Webhook up: the same requests are removed rather than refused.
     out = create("grab-env-up", env=[{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}])
     assert "created" in out, out
+
+
+def test_hiding_fails_closed_for_zero_requests_other_resources_and_a_missing_variable(
+    stack: LocalCluster, tmp_path: Path
+) -> None:
+    """Issue #42, 4 (runs after the tests above): while the webhook is down, a pod that asks for
+    nvidia.com/gpu "0" or for another extended resource is hidden like any pod; and where the API
+    server has no in-process hiding (before Kubernetes 1.36: here its binding is removed for the test), a
+    pod whose container sets no NVIDIA_VISIBLE_DEVICES (a CUDA image's own ENV says all) is refused."""
+
+    def create(name: str, **container: Any) -> str:
+        body = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": name, "namespace": "jobs"},
+            "spec": {"containers": [{"name": "base", "image": "example.invalid/cuda", **container}]},
+        }
+        return stack.kubectl("create", "-f", "-", stdin=json.dumps(body), check=False)
+
+    def env_of(name: str) -> list[dict[str, Any]]:
+        made = json.loads(stack.kubectl("get", "pod", name, "-n", "jobs", "-o", "json"))
+        return made["spec"]["containers"][0].get("env", [])  # type: ignore[no-any-return]
+
+    binding = json.loads(
+        stack.kubectl("get", "mutatingadmissionpolicybinding", "t-vramshare-hide-gpus", "-o", "json")
+    )
+    stack.stop_component("webhook")
+    try:
+        image_says_all = [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}]
+        for name, resources in (
+            ("zero-gpus-down", {"limits": {"nvidia.com/gpu": "0"}}),
+            ("other-resource-down", {"limits": {"example.com/fpga": "0"}}),
+        ):
+            out = create(name, resources=resources, env=image_says_all)
+            assert "created" in out, (name, out)
+            assert env_of(name) == [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"}], name
+        stack.kubectl("delete", "mutatingadmissionpolicybinding", "t-vramshare-hide-gpus")
+        tries = iter(range(1000))
+        refused = eventually(
+            lambda: (out := create(f"bare-{next(tries)}")) and "sets NVIDIA_VISIBLE_DEVICES" in out and out,
+            what="a pod without the variable refused once the in-process hiding is gone",
+            timeout_s=20,
+        )
+        assert "ValidatingAdmissionPolicy 't-vramshare-hiding'" in refused, refused
+        assert "created" in create("says-void", env=[{"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"}])
+        # The device plugin's pods are not vramshare's.
+        assert "created" in create(
+            "plugin-pod", resources={"limits": {"nvidia.com/gpu": "1"}}, env=image_says_all
+        )
+    finally:
+        stack.start_component("webhook")
+        for key in ("resourceVersion", "uid", "creationTimestamp", "generation", "managedFields"):
+            binding["metadata"].pop(key, None)
+        kept = tmp_path / "binding.json"
+        kept.write_text(json.dumps(binding))
+        stack.kubectl("create", "-f", str(kept))
 
 
 CERT_MANAGER = "github.com/cert-manager/cert-manager@v1.21.2"

@@ -106,6 +106,21 @@ CASES: dict[str, dict[str, Any]] = {
             ]
         }
     },
+    # Issue #42, 4: asking the device plugin for nothing, or for another device, asks for no GPU.
+    "plain, with nvidia.com/gpu 0 (it asks the device plugin for nothing)": {
+        "spec": {
+            "containers": [
+                container(
+                    "a",
+                    resources={"limits": {"nvidia.com/gpu": "0"}},
+                    env=[{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}],
+                )
+            ]
+        }
+    },
+    "plain, with another extended resource": {
+        "spec": {"containers": [container("a", resources={"limits": {"example.com/fpga": "1"}})]}
+    },
     "a vramshare.io label": {
         "metadata": {"labels": {"vramshare.io/reservation": "someone-elses"}},
         "spec": {"containers": [container("a")]},

@@ -591,6 +591,25 @@ def queue_holds(stack: LocalCluster) -> list[dict[str, Any]]:
     ]
 
 
+def test_a_heads_hold_goes_with_its_head_when_nothing_else_waits(
+    stack: LocalCluster, core: client.CoreV1Api
+) -> None:
+    """Issue #42, 8: the head deleted and nothing else queued, its hold is withdrawn at once, not kept
+    until it lapses (12 s here, 900 s by default) while it counts for nobody."""
+    caps = capacity(stack)
+    for i, room in enumerate(sorted(caps.values(), reverse=True)):
+        core.create_namespaced_pod(NS, gpu_pod(f"fill-{i}", room, run="300s"))
+    core.create_namespaced_pod(NS, gpu_pod("lonely-head", 30_000))
+    assert QUEUE_GATE in gates(core, "lonely-head")
+    eventually(lambda: queue_holds(stack), what="the head's hold in the ledger", timeout_s=20)
+    core.delete_namespaced_pod("lonely-head", NS)
+    started = time.monotonic()
+    eventually(lambda: queue_holds(stack) == [], what="the hold withdrawn with its head", timeout_s=6)
+    print(f"\nhold withdrawn {time.monotonic() - started:.1f} s after its head was deleted (lapse: 12 s)")
+    core.delete_collection_namespaced_pod(NS)
+    eventually(lambda: not core.list_namespaced_pod(NS).items, what="pods gone", timeout_s=30)
+
+
 def test_the_heads_hold_is_a_booking_so_a_stream_of_new_pods_cannot_take_its_memory(
     stack: LocalCluster, core: client.CoreV1Api
 ) -> None:

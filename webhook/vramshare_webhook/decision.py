@@ -59,6 +59,7 @@ class Reason(StrEnum):
     PENDING_MIB_LIMIT = "pending-mib-limit"
     MEMORY_RESOURCE_WITHOUT_REQUEST = "memory-resource-without-request"
     HELD_ELSEWHERE = "held-elsewhere"
+    DEVICE_LIST_PATH = "device-list-path"
 
 
 @dataclass(frozen=True, kw_only=True)

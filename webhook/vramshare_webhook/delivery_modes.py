@@ -226,6 +226,22 @@ def is_device_mount(mount: Any) -> bool:
     return path == DEVICE_LIST_ROOT or path.startswith(DEVICE_LIST_ROOT + "/")
 
 
+def unlisted_device_paths(pod: Obj) -> list[str]:
+    """Mounts whose path names nvidia-container-devices without being a device-list request as
+    `is_device_mount` reads it (`/x/nvidia-container-devices`): the chart's hiding policy refuses any
+    path holding that name but vramshare's own, so such a pod is refused before anything is booked for
+    it (issue #42, 6), rather than booked and then refused by the API server."""
+    return [
+        f"{key}[{i}] ({c.get('name')}) mountPath {m.get('mountPath')}"
+        for key, i, c in containers(pod)
+        for m in c.get("volumeMounts") or []
+        if isinstance(m, dict)
+        and isinstance(m.get("mountPath"), str)
+        and "nvidia-container-devices" in m["mountPath"]
+        and not is_device_mount(m)
+    ]
+
+
 def device_mounts(gpu_uuids: Sequence[str]) -> list[Obj]:
     """A container's device-list mounts for these GPUs (of vramshare's volume, /dev/null)."""
     return [

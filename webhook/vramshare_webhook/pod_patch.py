@@ -12,7 +12,7 @@ simpler to get right than editing entries in place. A pod without a request is h
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 from vramshare.kube.pods import (
     ANNOTATED_GUARDRAILS,
@@ -27,7 +27,6 @@ from vramshare.kube.resources import (
     LABEL_RESERVATION,
 )
 from vramshare_webhook.delivery_modes import (
-    DEVICE_LIST_VOLUME,
     device_mounts,
     foreign_device_mounts,
     foreign_gpu_requests,
@@ -35,7 +34,7 @@ from vramshare_webhook.delivery_modes import (
 )
 from vramshare_webhook.patching import Obj, Operation, pointer
 from vramshare_webhook.patching import containers as _containers
-from vramshare_webhook.pod import CUDA_DEVICES, GPU_UUID, HIDDEN, VISIBLE_DEVICES, Placement, pod_annotations
+from vramshare_webhook.pod import CUDA_DEVICES, HIDDEN, VISIBLE_DEVICES, Placement, pod_annotations
 
 
 def _with_env(container: Obj, values: dict[str, str]) -> list[Obj]:
@@ -187,27 +186,17 @@ def strip_patch(pod: Obj, *, also: Iterable[str] = ()) -> list[Operation]:
     return ops
 
 
-def ephemeral_patch(pod: Obj) -> list[Operation]:
-    """For debug containers added to a running pod (`kubectl debug`): the same GPUs as the pod's own
-    containers (from its placement annotations, which only vramshare writes), or none at all."""
-    annotations = pod_annotations(pod)
-    uuids = annotations.get(ANNOTATION_GPU_UUID, "")
-    placed = bool(uuids) and LABEL_RESERVATION in (pod.get("metadata", {}).get("labels") or {})
+def ephemeral_patch(pod: Obj, *, gpus: Sequence[str] = (), device_lists: bool = False) -> list[Operation]:
+    """For debug containers added to a running pod (`kubectl debug`): `gpus`, the pod's own GPUs as its
+    booking confirms them (see `vramshare_webhook.admission.debug`), or none at all. With
+    `device_lists` (delivery mode volume-mounts: the pod has vramshare's volume) they get the same
+    device-list mounts as the pod's containers; otherwise they may bring none."""
     env = (
-        {VISIBLE_DEVICES: uuids, CUDA_DEVICES: ",".join(str(i) for i in range(len(uuids.split(","))))}
-        if placed
+        {VISIBLE_DEVICES: ",".join(gpus), CUDA_DEVICES: ",".join(str(i) for i in range(len(gpus)))}
+        if gpus
         else {VISIBLE_DEVICES: HIDDEN}
     )
-    # Delivered by device-list mounts (delivery mode volume-mounts: the pod has vramshare's volume),
-    # the debug container gets the same mounts; otherwise it may bring none.
-    listed = (
-        placed
-        and all(GPU_UUID.match(u) for u in uuids.split(","))
-        and any(
-            isinstance(v, dict) and v.get("name") == DEVICE_LIST_VOLUME
-            for v in pod.get("spec", {}).get("volumes") or []
-        )
-    )
+    listed = bool(gpus) and device_lists
     ops: list[Operation] = []
     for i, c in enumerate(pod.get("spec", {}).get("ephemeralContainers") or []):
         if not isinstance(c, dict):
@@ -221,7 +210,7 @@ def ephemeral_patch(pod: Obj) -> list[Operation]:
         )
         mounts = [m for m in c.get("volumeMounts") or [] if not is_device_mount(m)]
         if listed:
-            mounts += device_mounts(uuids.split(","))
+            mounts += device_mounts(gpus)
         if mounts != (c.get("volumeMounts") or []):
             ops.append(
                 {

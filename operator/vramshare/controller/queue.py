@@ -68,7 +68,7 @@ from vramshare.kube.pods import (
     placement_id,
     release_patch,
 )
-from vramshare.kube.resources import LABEL_QUEUE_WEIGHT, device_name, reservations_path
+from vramshare.kube.resources import LABEL_QUEUE_WEIGHT, device_name, pod_path, reservations_path
 
 log = structlog.get_logger("vramshare.queue")
 
@@ -174,6 +174,10 @@ class QueueLoop:
         self.metrics.queued.set(len(queued))
         if not queued:
             self.hold = None
+            # Nothing waits: no hold is kept for a head that left (deleted, or held by another admission
+            # system again), rather than until the hold lapses (issue #42, 8).
+            for h in self._queue_holds():
+                await self.ledger.withdraw_hold(h.namespace, h.name)
             return 0
         now = self.clock()
         snapshot = await self.ledger.snapshot()
@@ -334,7 +338,7 @@ class QueueLoop:
         conditional on that same version, so exactly one of the two lands. False when the release got
         there first (the pod no longer waits: the placement stands)."""
         meta = pod["metadata"]
-        path = f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}"
+        path = pod_path(meta["namespace"], meta["name"])
         fence = placement_id(res.name, res.meta.generation)
         return await annotate_unchanged(
             self.kube,
@@ -350,7 +354,7 @@ class QueueLoop:
         another leader took this placement back meanwhile (see `_fence`)."""
         meta = pod["metadata"]
         fence = placement_id(res.name, res.meta.generation)
-        path = f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}"
+        path = pod_path(meta["namespace"], meta["name"])
         spec = res.spec
         annotations = placement_annotations(
             reservation=res.name,

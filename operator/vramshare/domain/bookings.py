@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from vramshare.domain.headroom import headroom_mib
 from vramshare.domain.models import Gpu, Reservation, ReservationPhase
-from vramshare.domain.tenancy import Holding, Holdings, holding_of
+from vramshare.domain.tenancy import Holding, Holdings, creator_of, holding_of
 
 
 @dataclass(slots=True)
@@ -87,11 +87,12 @@ class LedgerIndex:
                 self._pending_bookings[f"{namespace}/{reservation.name}"] = reservation
             else:
                 self._pending_bookings.pop(f"{namespace}/{reservation.name}", None)
-            left = self._user_pending.get(reservation.user, 0) + sign * reservation.mib
+            creator = creator_of(reservation.user, namespace)
+            left = self._user_pending.get(creator, 0) + sign * reservation.mib
             if left:
-                self._user_pending[reservation.user] = left
+                self._user_pending[creator] = left
             else:
-                self._user_pending.pop(reservation.user, None)
+                self._user_pending.pop(creator, None)
 
     def _remove(self, key: str) -> None:
         opened = self._open.pop(key, None)
@@ -188,9 +189,9 @@ class LedgerIndex:
         """Every booking whose pod has not appeared (to the controller) yet."""
         return list(self._pending_bookings.values())
 
-    def pending_of_user(self, user: str) -> int:
-        """MiB of `user`'s bookings whose pod has not appeared."""
-        return self._user_pending.get(user, 0)
+    def pending_of_user(self, creator: str) -> int:
+        """MiB of `creator`'s bookings (see `tenancy.creator_of`) whose pod has not appeared."""
+        return self._user_pending.get(creator, 0)
 
     def get(self, key: str) -> Reservation | None:
         return self._members.get(key)

@@ -98,9 +98,28 @@ def holdings_of(reservations: Iterable[Reservation], namespace: str) -> Holdings
     return out
 
 
-def pending_of_user(reservations: Iterable[Reservation], user: str) -> int:
-    """MiB of `user`'s bookings whose pod has not appeared yet."""
-    return sum(r.mib for r in reservations if r.user == user and holding_of(r) is Holding.PENDING)
+SERVICE_ACCOUNT_PREFIX = "system:serviceaccount:"
+
+
+def creator_of(user: str, namespace: str) -> str:
+    """Whose pending bound a booking counts against (3. above): its creating user; for a
+    ServiceAccount, that account in the pod's namespace. A ServiceAccount creates pods for the
+    namespace they land in (Kubernetes' own controllers for every team's Deployments and Jobs:
+    system:serviceaccount:kube-system:replicaset-controller; an Airflow executor), and keyed on the
+    account alone one team's workloads would fill the bound for every other team's (issue #42, 6). A
+    person's bound stays one across every namespace they reach."""
+    if user.startswith(SERVICE_ACCOUNT_PREFIX):
+        return f"{user} in namespace {namespace}"
+    return user
+
+
+def pending_of_user(reservations: Iterable[Reservation], creator: str) -> int:
+    """MiB of `creator`'s bookings (see `creator_of`) whose pod has not appeared yet."""
+    return sum(
+        r.mib
+        for r in reservations
+        if creator_of(r.user, r.namespace) == creator and holding_of(r) is Holding.PENDING
+    )
 
 
 def with_pods_seen(
@@ -112,16 +131,17 @@ def with_pods_seen(
     appeared: Callable[[Reservation], bool],
 ) -> tuple[Holdings, int]:
     """`holdings` of `namespace` with the pending bookings whose pod has `appeared` (a pod carrying it
-    exists, though the controller has not bound it yet) counted as bound, and `user`'s pending MiB
-    whose pod has not. The controller binds within a second or so; a webhook that sees pods appear
-    need not wait for it, so a burst of real pods is not taken for pods that never appear."""
+    exists, though the controller has not bound it yet) counted as bound, and the pending MiB of `user`
+    (as `creator_of` names it) whose pod has not. The controller binds within a second or so; a webhook
+    that sees pods appear need not wait for it, so a burst of real pods is not taken for pods that never
+    appear."""
     seen_mib = user_unseen = 0
     for r in pending:
         if holding_of(r) is not Holding.PENDING:
             continue
         if appeared(r):
             seen_mib += r.mib if r.namespace == namespace else 0
-        elif r.user == user:
+        elif creator_of(r.user, r.namespace) == user:
             user_unseen += r.mib
     moved = min(seen_mib, holdings.pending_mib)
     adjusted = replace(

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from vramshare.kube.client import KubeClient
-from vramshare.kube.resources import format_time
+from vramshare.kube.resources import events_path, format_time
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,7 +39,7 @@ async def post_event(
     if involved.namespace is not None:
         about["namespace"] = involved.namespace
     await kube.create(
-        f"/api/v1/namespaces/{namespace}/events",
+        events_path(namespace),
         {
             "apiVersion": "v1",
             "kind": "Event",

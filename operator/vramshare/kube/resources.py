@@ -113,8 +113,17 @@ def reservations_path(namespace: str | None = None, name: str | None = None) -> 
     return f"{path}/{_segment(name)}" if name else path
 
 
+def pods_path(namespace: str) -> str:
+    """The namespace's pods (a namespace read from a booking or an event is quoted like a name)."""
+    return f"/api/v1/namespaces/{_segment(namespace)}/pods"
+
+
 def pod_path(namespace: str, name: str) -> str:
-    return f"/api/v1/namespaces/{_segment(namespace)}/pods/{_segment(name)}"
+    return f"{pods_path(namespace)}/{_segment(name)}"
+
+
+def events_path(namespace: str) -> str:
+    return f"/api/v1/namespaces/{_segment(namespace)}/events"
 
 
 def devices_path(name: str | None = None) -> str:

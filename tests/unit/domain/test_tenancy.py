@@ -18,6 +18,7 @@ from vramshare.domain.tenancy import (
     RefusalMemory,
     TenancySettings,
     advertised_mib,
+    creator_of,
     holdings_of,
     over_limit,
     pending_of_user,
@@ -222,3 +223,19 @@ def test_a_booking_whose_pod_appeared_is_not_pending() -> None:
         holdings, [mine, theirs], namespace="a", user="alice", appeared=lambda r: r.name == "r"
     )
     assert (seen.bound_mib, seen.pending_mib, user_pending) == (30_000, 0, 5000)
+
+
+def test_a_service_account_is_one_creator_per_namespace_a_person_one_across_them() -> None:
+    sa = "system:serviceaccount:kube-system:job-controller"
+    assert creator_of(sa, "a") != creator_of(sa, "b")
+    assert creator_of("alice", "a") == creator_of("alice", "b") == "alice"
+    ledger = [
+        replace(res(mib, ReservationPhase.RESERVED, user=user), name=f"r{mib}", namespace=namespace)
+        for mib, namespace, user in ((100, "a", sa), (200, "b", sa), (300, "a", "alice"), (400, "b", "alice"))
+    ]
+    index = LedgerIndex()
+    for r in ledger:
+        index.put(f"{r.namespace}/{r.name}", r)
+    for creator, mib in ((creator_of(sa, "a"), 100), (creator_of(sa, "b"), 200), ("alice", 700)):
+        assert pending_of_user(ledger, creator) == mib
+        assert index.pending_of_user(creator) == mib

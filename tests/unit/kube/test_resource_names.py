@@ -6,7 +6,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from vramshare.kube.resources import devices_path, is_object_name, reservations_path
+from vramshare.kube.resources import (
+    devices_path,
+    events_path,
+    is_object_name,
+    pod_path,
+    pods_path,
+    reservations_path,
+)
 
 
 @pytest.mark.parametrize(
@@ -50,3 +57,15 @@ def test_ordinary_names_are_unchanged() -> None:
         == "/apis/vramshare.io/v1alpha1/namespaces/jobs/gpureservations/task-1"
     )
     assert devices_path("gpu-1") == "/apis/vramshare.io/v1alpha1/gpudevices/gpu-1"
+
+
+@given(st.text(min_size=1, max_size=40))
+def test_a_namespace_is_one_path_segment_in_every_pod_and_event_path(namespace: str) -> None:
+    """Issue #42, 9: the namespace of a booking or an event is quoted wherever a path is built."""
+    for path, kind in ((pods_path(namespace), "pods"), (events_path(namespace), "events")):
+        segment = path.removeprefix("/api/v1/namespaces/").removesuffix(f"/{kind}")
+        assert path == f"/api/v1/namespaces/{segment}/{kind}"
+        assert not set(segment) & set("/?#")
+        assert segment not in (".", "..")
+    assert pod_path(namespace, "p").removesuffix("/p") == pods_path(namespace)
+    assert pods_path("jobs") == "/api/v1/namespaces/jobs/pods"

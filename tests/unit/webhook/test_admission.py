@@ -11,6 +11,7 @@ import pytest
 from tests.unit.domain.builders import NOW, gpu
 from tests.unit.webhook.fakes import MemoryLedger, admitter, airflow, delivering, patch_of, request, with_spec
 from vramshare.domain import Accounting, ReservationPhase
+from vramshare.kube.objects import GpuReservation
 from vramshare.settings import SettingsError
 from vramshare_webhook import review as rv
 from vramshare_webhook.admission import Admitter, ClusterView
@@ -610,9 +611,13 @@ async def test_an_unannotated_pod_loses_the_vramshare_keys_it_set_itself() -> No
     assert set(ops) == {"/metadata/labels", "/metadata/annotations"}
 
 
-def debug_request(annotations: dict[str, str], labels: dict[str, str]) -> rv.Request:
-    pod = {
-        "metadata": {"name": "task", "annotations": annotations, "labels": labels},
+def debug_request(
+    annotations: dict[str, str], labels: dict[str, str], *, sent: dict[str, Any] | None = None
+) -> rv.Request:
+    """A `kubectl debug` review of the stored pod with these marks; `sent`: the metadata the client
+    sent instead (the API server restores the stored metadata only after mutating admission)."""
+    stored = {
+        "metadata": {"name": "task", "uid": "uid-1", "annotations": annotations, "labels": labels},
         "spec": {
             "containers": [{"name": "base", "image": "x"}],
             "ephemeralContainers": [
@@ -620,9 +625,36 @@ def debug_request(annotations: dict[str, str], labels: dict[str, str]) -> rv.Req
             ],
         },
     }
+    pod = {**stored, "metadata": sent} if sent is not None else stored
     return replace(
-        request(), operation="UPDATE", object=pod, old_object=pod, sub_resource="ephemeralcontainers"
+        request(), operation="UPDATE", object=pod, old_object=stored, sub_resource="ephemeralcontainers"
     )
+
+
+def booked(ledger: MemoryLedger, *, pod_uid: str | None = "uid-1", gpus: int = 2) -> None:
+    """The booking the debugged pod's label names, on GPU-a (of `gpus`), bound to `pod_uid`."""
+    booking = GpuReservation.new(
+        name="task-1",
+        namespace="airflow",
+        pod="task",
+        mib=4096,
+        gpu=ledger.gpus[0],
+        admission_uid="u0",
+        user="airflow",
+        set_name="task-1" if gpus > 1 else "",
+        gpu_count=gpus,
+    )
+    if pod_uid is not None:
+        booking = replace(
+            booking, status=replace(booking.status, phase=ReservationPhase.BOUND, pod_uid=pod_uid)
+        )
+    ledger.objects.append(booking)
+
+
+def debug_env(review: rv.Review) -> dict[str, str]:
+    (op,) = patch_of(review)
+    assert op["path"] == "/spec/ephemeralContainers/0/env"
+    return {e["name"]: e["value"] for e in op["value"]}
 
 
 async def test_debug_containers_see_the_pods_gpus_or_none() -> None:
@@ -630,7 +662,9 @@ async def test_debug_containers_see_the_pods_gpus_or_none() -> None:
         {"gpu-mem-mb": "4096", "vramshare.io/gpu-uuid": "GPU-a,GPU-b"},
         {"vramshare.io/reservation": "task-1"},
     )
-    review = await admitter(MemoryLedger()).review(placed)
+    ledger = MemoryLedger()
+    booked(ledger)
+    review = await admitter(ledger).review(placed)
     (op,) = patch_of(review)
     assert op["path"] == "/spec/ephemeralContainers/0/env"
     assert op["value"] == [
@@ -643,6 +677,51 @@ async def test_debug_containers_see_the_pods_gpus_or_none() -> None:
         assert {"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"} in op["value"]
     other_update = replace(placed, sub_resource="")
     assert "patch" not in (await admitter(MemoryLedger()).review(other_update))["response"]
+
+
+async def test_a_debug_container_takes_its_gpus_from_the_stored_pod_never_from_the_request() -> None:
+    """Issue #42, 1: on pods/ephemeralcontainers the webhook sees the metadata the client sent; a client
+    that writes the placement marks into its update chooses nothing."""
+    forged = {
+        "name": "task",
+        "uid": "uid-1",
+        "annotations": {"gpu-mem-mb": "4096", "vramshare.io/gpu-uuid": "all"},
+        "labels": {"vramshare.io/reservation": "task-1"},
+    }
+    ledger = MemoryLedger()
+    booked(ledger)
+    plain = debug_request({}, {}, sent=forged)  # the stored pod has no GPU
+    assert debug_env(await admitter(ledger).review(plain))["NVIDIA_VISIBLE_DEVICES"] == "void"
+    placed = debug_request(
+        {"gpu-mem-mb": "4096", "vramshare.io/gpu-uuid": "GPU-a,GPU-b"},
+        {"vramshare.io/reservation": "task-1"},
+        sent=forged,
+    )
+    assert debug_env(await admitter(ledger).review(placed))["NVIDIA_VISIBLE_DEVICES"] == "GPU-a,GPU-b"
+
+
+async def test_a_debug_container_sees_no_gpu_where_the_booking_does_not_confirm_the_pods_marks() -> None:
+    marks = {"gpu-mem-mb": "4096", "vramshare.io/gpu-uuid": "GPU-a,GPU-b"}
+    label = {"vramshare.io/reservation": "task-1"}
+    cases = {
+        "no booking": lambda ledger: None,
+        "bound to another pod": lambda ledger: booked(ledger, pod_uid="uid-other"),
+        "for fewer GPUs": lambda ledger: booked(ledger, gpus=1),
+    }
+    for why, book in cases.items():
+        ledger = MemoryLedger()
+        book(ledger)
+        env = debug_env(await admitter(ledger).review(debug_request(marks, label)))
+        assert env["NVIDIA_VISIBLE_DEVICES"] == "void", why
+    on_other_gpu = debug_request({**marks, "vramshare.io/gpu-uuid": "GPU-b"}, label)
+    ledger = MemoryLedger()
+    booked(ledger, gpus=1)
+    assert debug_env(await admitter(ledger).review(on_other_gpu))["NVIDIA_VISIBLE_DEVICES"] == "void"
+    # Not bound yet (the pod has not run): a booking made for a pod of this name confirms it.
+    ledger = MemoryLedger()
+    booked(ledger, pod_uid=None)
+    env = debug_env(await admitter(ledger).review(debug_request(marks, label)))
+    assert env["NVIDIA_VISIBLE_DEVICES"] == "GPU-a,GPU-b"
 
 
 async def test_bookings_whose_pods_never_appear_are_bounded_per_namespace() -> None:

@@ -3,7 +3,9 @@ request from: NRI annotations, CDI annotations, device-list mounts, the variable
 
 from __future__ import annotations
 
+import asyncio
 import copy
+from dataclasses import replace
 from typing import Any
 
 from hypothesis import given
@@ -262,7 +264,9 @@ def test_a_debug_container_gets_the_pods_device_list_or_none() -> None:
             "ephemeralContainers": [{"name": "debug", "image": "x"}],
         },
     }
-    debug = apply(placed, ephemeral_patch(placed))["spec"]["ephemeralContainers"][0]
+    debug = apply(placed, ephemeral_patch(placed, gpus=("GPU-a", "GPU-b"), device_lists=True))["spec"][
+        "ephemeralContainers"
+    ][0]
     assert [m["mountPath"] for m in debug["volumeMounts"]] == [
         f"{DEVICE_LIST_ROOT}/GPU-a",
         f"{DEVICE_LIST_ROOT}/GPU-b",
@@ -369,3 +373,54 @@ async def test_the_default_mode_is_runtime_class_as_a_gpu_operator_install_needs
     assert WebhookSettings().delivery_mode is DeliveryMode.RUNTIME_CLASS
     review = await admitter(MemoryLedger()).review(request())
     assert {"op": "add", "path": "/spec/runtimeClassName", "value": "nvidia"} in patch_of(review)
+
+
+def policy_refuses_mount(path: str, *, booked: tuple[str, ...]) -> bool:
+    """The chart's hiding policy on one volumeMount of a created pod (its CEL, in Python): a path naming
+    nvidia-container-devices is refused unless it is vramshare's mount of a GPU it booked."""
+    return "nvidia-container-devices" in path and not any(
+        path == f"/var/run/nvidia-container-devices/{u}" for u in booked
+    )
+
+
+@given(
+    paths=st.lists(
+        st.sampled_from(
+            [
+                f"{DEVICE_LIST_ROOT}/all",
+                f"//{DEVICE_LIST_ROOT[1:]}/./0",
+                "/x/nvidia-container-devices",
+                "/data/nvidia-container-devices/all",
+                "/nvidia-container-devices-cache",
+                "/data",
+            ]
+        ),
+        max_size=4,
+    )
+)
+def test_a_gpu_pod_the_policy_would_refuse_for_a_mount_is_refused_before_anything_is_booked(
+    paths: list[str],
+) -> None:
+    """Issue #42, 6: every mount the webhook keeps on a GPU pod it admits passes the hiding policy; a
+    pod with one the policy refuses is refused (400) before a booking is made."""
+    pod = {
+        "metadata": {"name": "task", "annotations": {"gpu-mem-mb": "4096"}},
+        "spec": {
+            "volumes": [{"name": "v", "emptyDir": {}}],
+            "containers": [
+                {"name": "base", "image": "x", "volumeMounts": [{"name": "v", "mountPath": p} for p in paths]}
+            ],
+        },
+    }
+    ledger = MemoryLedger()
+    req = replace(request(), object=pod)
+    review = asyncio.run(admitter(ledger).review(req))
+    if review["response"]["allowed"]:
+        (booking,) = ledger.objects
+        kept = [m["mountPath"] for m in patched(review, req)["spec"]["containers"][0].get("volumeMounts", [])]
+        assert not [p for p in kept if policy_refuses_mount(p, booked=(booking.spec.gpu_uuid,))]
+    else:
+        assert review["response"]["status"]["code"] == 400
+        assert "nvidia-container-devices" in review["response"]["status"]["message"]
+        assert ledger.objects == []
+        assert any(policy_refuses_mount(p, booked=()) and not p.startswith(DEVICE_LIST_ROOT) for p in paths)

@@ -230,6 +230,23 @@ async def test_pending_memory_is_bounded_per_user_across_namespaces() -> None:
     assert other["response"]["allowed"]
 
 
+async def test_a_service_accounts_pending_bound_is_kept_per_namespace() -> None:
+    """Issue #42, 6: Kubernetes' own controllers create every team's Deployment and Job pods under one
+    ServiceAccount; one team's pods that have not appeared must not refuse another team's."""
+    ledger = MemoryLedger()
+    ledger.gpus = (gpu("GPU-a", total=40_000),)
+    webhook = admitter(ledger, max_pending_mib_per_user=8_000, max_pending_mib_per_namespace=0)
+    controller = "system:serviceaccount:kube-system:replicaset-controller"
+    first = await webhook.review(in_namespace(request("6000"), "team-a", user=controller))
+    assert first["response"]["allowed"]
+    over = await webhook.review(in_namespace(request("6000", uid="u2"), "team-a", user=controller))
+    assert (
+        f"user {controller} in namespace team-a already has 6000 MiB" in over["response"]["status"]["message"]
+    )
+    other_team = await webhook.review(in_namespace(request("6000", uid="u3"), "team-b", user=controller))
+    assert other_team["response"]["allowed"]
+
+
 async def test_one_pod_larger_than_the_bound_is_let_through_when_nothing_is_pending() -> None:
     ledger = MemoryLedger()
     ledger.gpus = (gpu("GPU-a", total=40_000),)

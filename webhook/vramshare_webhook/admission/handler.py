@@ -21,13 +21,14 @@ import structlog
 from vramshare.domain.tenancy import RefusalMemory
 from vramshare_webhook import review as rv
 from vramshare_webhook.admission.context import ClusterView, Context, Ledger
+from vramshare_webhook.admission.debug import debug_containers
 from vramshare_webhook.admission.earlier import earlier_pass
 from vramshare_webhook.admission.intent import Intent, refusal_style, resolve_intent
 from vramshare_webhook.admission.naming import name_taken
 from vramshare_webhook.admission.outcome import readmitted, with_delivery
 from vramshare_webhook.admission.place import place
 from vramshare_webhook.admission.queueing import queued
-from vramshare_webhook.admission.triage import GpuAsk, triage
+from vramshare_webhook.admission.triage import DebugAsk, GpuAsk, triage
 from vramshare_webhook.decision import Decision, Errored, Late, Outcome, answer
 from vramshare_webhook.metrics import WebhookMetrics
 from vramshare_webhook.pod import display_name
@@ -98,6 +99,8 @@ class Admitter:
         """The admission path (see the module docstring)."""
         ctx = self.ctx
         ask = triage(request, settings=ctx.settings)
+        if isinstance(ask, DebugAsk):
+            return await debug_containers(ask.request, ctx=ctx)
         if not isinstance(ask, GpuAsk):
             return ask
         intent = resolve_intent(

@@ -25,7 +25,7 @@ from vramshare.kube.pods import GUARDRAILS_ANNOTATION, GUARDRAILS_NAMESPACE_LABE
 from vramshare_webhook import review as rv
 from vramshare_webhook.admission.triage import GpuAsk
 from vramshare_webhook.decision import Invalid, Reason
-from vramshare_webhook.delivery_modes import Delivery, delivery_for
+from vramshare_webhook.delivery_modes import DEVICE_LIST_ROOT, Delivery, delivery_for, unlisted_device_paths
 from vramshare_webhook.pod import PodFacts
 from vramshare_webhook.settings import EXECUTOR_LABEL, RefusalStyle, WebhookSettings
 
@@ -86,6 +86,14 @@ def resolve_intent(
     delivery = _delivery(request.object, settings=settings, namespace_labels=namespace_labels)
     if isinstance(delivery, Invalid):
         return delivery
+    unlisted = unlisted_device_paths(request.object)
+    if unlisted:
+        return Invalid(
+            reason=Reason.DEVICE_LIST_PATH,
+            message=f"{'; '.join(unlisted)}: a path naming nvidia-container-devices is a device-list request "
+            f"to NVIDIA's runtime, and only vramshare makes those (under {DEVICE_LIST_ROOT}, for the GPUs it "
+            "booked); mount the volume elsewhere",
+        )
     if facts.device_resources:
         return Invalid(
             reason=Reason.DEVICE_PLUGIN_RESOURCE,

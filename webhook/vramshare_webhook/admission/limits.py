@@ -9,7 +9,7 @@ from typing import Any
 
 from vramshare.domain import AllocationRequest
 from vramshare.domain.snapshot import Snapshot
-from vramshare.domain.tenancy import Limit, OverLimit, Quota, over_limit, with_pods_seen
+from vramshare.domain.tenancy import Limit, OverLimit, Quota, creator_of, over_limit, with_pods_seen
 from vramshare.kube.resources import MEMORY_RESOURCE
 from vramshare_webhook.admission.context import Context
 from vramshare_webhook.admission.intent import Intent
@@ -50,8 +50,9 @@ async def within_limits(
     snapshot = await ctx.ledger.snapshot(fresh=True)
     pods: set[tuple[str, str]] | None = None
     if over.reason is not Reason.QUOTA:
+        creator = creator_of(request.username, request.namespace)
         concerned = {request.namespace} | {
-            r.namespace for r in snapshot.pending_bookings() if r.user == request.username
+            r.namespace for r in snapshot.pending_bookings() if creator_of(r.user, r.namespace) == creator
         }
         pods = {
             (ns, label)
@@ -79,7 +80,8 @@ def over_limits(
     request, settings = intent.request, ctx.settings
     namespace = request.namespace
     holdings = snapshot.holdings(namespace)
-    user_pending = snapshot.pending_of_user(request.username)
+    creator = creator_of(request.username, namespace)
+    user_pending = snapshot.pending_of_user(creator)
     quotas = namespace_quotas(namespace, ctx=ctx)
     # Memory held for this task's next try is its own: its admission takes the hold's place.
     credit_mib = sum(h.mib for h in snapshot.holds_for(intent.facts.task_key))
@@ -87,7 +89,7 @@ def over_limits(
     def verdict() -> OverLimit | None:
         return over_limit(
             namespace=namespace,
-            user=request.username,
+            user=creator,
             mib=alloc.mib * alloc.count,
             holdings=holdings,
             user_pending_mib=user_pending,
@@ -105,7 +107,7 @@ def over_limits(
             holdings,
             snapshot.pending_bookings(),
             namespace=namespace,
-            user=request.username,
+            user=creator,
             appeared=lambda r: (r.namespace, r.pod_label or r.name) in seen,
         )
         over = verdict()

@@ -1,6 +1,7 @@
-"""Step 1, triage: what kind of request this is. Not a pod create (skip), a malformed pod (invalid),
-debug containers or a pod that asks for no GPU (hidden from the GPUs, or skipped), or a pod that asks
-for GPU memory, which goes on down the admission path as a `GpuAsk`."""
+"""Step 1, triage: what kind of request this is. Not a pod create (skip), a malformed pod (invalid), a
+pod that asks for no GPU (hidden from the GPUs, or skipped), debug containers (`DebugAsk`, see
+`admission.debug`), or a pod that asks for GPU memory, which goes on down the admission path as a
+`GpuAsk`."""
 
 from __future__ import annotations
 
@@ -11,8 +12,15 @@ from vramshare_webhook.decision import Hide, Invalid, Reason, Skip
 from vramshare_webhook.delivery_modes import foreign_gpu_requests
 from vramshare_webhook.memory_resource import containers_requesting
 from vramshare_webhook.pod import PodFacts, claimed_marks, pod_annotations, read_pod, shape_problem
-from vramshare_webhook.pod_patch import ephemeral_patch, hide_gpus_patch, strip_patch
+from vramshare_webhook.pod_patch import hide_gpus_patch, strip_patch
 from vramshare_webhook.settings import WebhookSettings
+
+
+@dataclass(frozen=True, kw_only=True)
+class DebugAsk:
+    """Debug containers added to a running pod: they get its GPUs or none (`admission.debug`)."""
+
+    request: rv.Request
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -25,7 +33,7 @@ class GpuAsk:
     """The annotation's raw value (parsed by the next step)."""
 
 
-def triage(request: rv.Request, *, settings: WebhookSettings) -> Skip | Hide | Invalid | GpuAsk:
+def triage(request: rv.Request, *, settings: WebhookSettings) -> Skip | Hide | Invalid | DebugAsk | GpuAsk:
     pod = request.object
     debug = request.operation == "UPDATE" and request.sub_resource == "ephemeralcontainers"
     if request.kind != "Pod" or (request.operation != "CREATE" and not debug):
@@ -34,10 +42,7 @@ def triage(request: rv.Request, *, settings: WebhookSettings) -> Skip | Hide | I
     if problem is not None:
         return Invalid(reason=Reason.MALFORMED_POD, message=f"not a valid pod: {problem}")
     if debug:  # kubectl debug: the new containers see the pod's GPUs, or none
-        ops = ephemeral_patch(pod)
-        return (
-            Hide(patch=ops, reason=Reason.EPHEMERAL_CONTAINERS) if ops else Skip(reason=Reason.NO_GPU_REQUEST)
-        )
+        return DebugAsk(request=request)
     facts = read_pod(
         pod,
         annotation=settings.annotation,

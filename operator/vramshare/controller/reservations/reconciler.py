@@ -44,6 +44,7 @@ from vramshare.kube.resources import (
     LABEL_RESERVATION,
     LABEL_SET,
     device_name,
+    pods_path,
     reservations_path,
 )
 
@@ -194,7 +195,7 @@ class ReservationReconciler:
             if res is None:
                 return
             pods = await self.kube.list(
-                f"/api/v1/namespaces/{key[0]}/pods", label_selector=f"{LABEL_RESERVATION}={res.pod_label}"
+                pods_path(key[0]), label_selector=f"{LABEL_RESERVATION}={res.pod_label}"
             )
             await self.reconcile(res, pods.get("items", []), presence=presence)
             early = self.clock() - (res.meta.created_at or 0.0) < self.settings.reservation_ttl_s
@@ -247,7 +248,7 @@ class ReservationReconciler:
             the_plan = self._late_on_a_full_gpu(res, the_plan)
         if confirm_absence and the_plan.transition is not None and the_plan.transition.reason in ABSENCE:
             listed = await self.kube.list(
-                f"/api/v1/namespaces/{res.namespace}/pods",
+                pods_path(res.namespace),
                 label_selector=f"{LABEL_RESERVATION}={res.pod_label}",
             )
             if listed.get("items"):  # the cache was behind: decide on what is really there

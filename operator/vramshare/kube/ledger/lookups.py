@@ -12,6 +12,7 @@ from vramshare.kube.resources import (
     LABEL_HELD_FOR,
     LABEL_RESERVATION,
     pod_path,
+    pods_path,
     reservations_path,
 )
 
@@ -54,14 +55,10 @@ class LedgerLookups(LedgerView):
 
     async def pod_labels(self, namespace: str) -> set[str]:
         """The reservation labels of the namespace's GPU pods (a consistent read)."""
-        pods = await list_all(
-            self.kube, f"/api/v1/namespaces/{namespace}/pods", label_selector=LABEL_RESERVATION
-        )
+        pods = await list_all(self.kube, pods_path(namespace), label_selector=LABEL_RESERVATION)
         return {str(p["metadata"]["labels"][LABEL_RESERVATION]) for p in pods.get("items", [])}
 
     async def pod_carries(self, namespace: str, reservation: str) -> bool:
         """Whether any pod already carries the reservation's label (a consistent read)."""
-        pods = await self.kube.list(
-            f"/api/v1/namespaces/{namespace}/pods", label_selector=f"{LABEL_RESERVATION}={reservation}"
-        )
+        pods = await self.kube.list(pods_path(namespace), label_selector=f"{LABEL_RESERVATION}={reservation}")
         return bool(pods.get("items"))
