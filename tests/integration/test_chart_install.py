@@ -421,8 +421,18 @@ def test_subresources_and_gates_are_no_way_around_the_ledger(stack: LocalCluster
 
     # The ephemeral-containers update, with the placement marks forged in the object sent: the debug
     # container gets the stored pod's own GPUs (or none), never what the client wrote.
-    placed_uuid = pod("debugged")["metadata"]["annotations"]["vramshare.io/gpu-uuid"]
-    for name, expected in (("plain-debugged", "void"), ("debugged", placed_uuid)):
+    # Fresh pods: a forged update to a pod that has debug containers already would also change theirs,
+    # which the API server refuses by itself.
+    for name, marks in (("fresh-plain", {}), ("fresh-gpu", {"gpu-mem-mb": "1000"})):
+        fresh = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": name, "namespace": "jobs", "annotations": marks},
+            "spec": {"containers": [{"name": "base", "image": "example.invalid/x"}]},
+        }
+        stack.kubectl("create", "-f", "-", stdin=json.dumps(fresh))
+    placed_uuid = pod("fresh-gpu")["metadata"]["annotations"]["vramshare.io/gpu-uuid"]
+    for name, expected in (("fresh-plain", "void"), ("fresh-gpu", placed_uuid)):
         body = pod(name)
         body["metadata"].setdefault("annotations", {})["vramshare.io/gpu-uuid"] = "all"
         body["metadata"].setdefault("labels", {})["vramshare.io/reservation"] = pod("debugged")["metadata"][
