@@ -194,6 +194,9 @@ class LocalCluster:
                 f"--tls-cert-file={serving.cert_path}",
                 f"--tls-private-key-file={serving.key_path}",
                 f"--client-ca-file={self.ca.cert_path}",
+                # The API server authenticates to admission webhooks with a client certificate, as the
+                # README tells operators to configure theirs.
+                f"--admission-control-config-file={self.credentials.webhook_admission_config()}",
                 "--authorization-mode=Node,RBAC",
                 "--service-cluster-ip-range=10.0.0.0/24",
                 "--service-account-issuer=https://kubernetes.default.svc.cluster.local",

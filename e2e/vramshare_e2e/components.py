@@ -24,6 +24,7 @@ from vramshare.kube.resources import (
     format_time_precise,
 )
 from vramshare_e2e.cluster import LocalCluster
+from vramshare_e2e.credentials import WEBHOOK_CLIENT
 from vramshare_e2e.fleet import Fleet
 from vramshare_e2e.ports import free_port
 from vramshare_e2e.process import Component, eventually, http_ok
@@ -84,6 +85,10 @@ def start_webhook(
         # The replicas keep Leases of their own there, to deal GPUs that tie out among themselves.
         "VRAMSHARE_NAMESPACE": CONTROLLER_NAMESPACE,
         "VRAMSHARE_REPLICA_LEASE_S": "15",
+        # Only the API server may ask for decisions: the client certificate its AdmissionConfiguration
+        # presents (see vramshare_e2e.credentials), as the README tells operators to configure theirs.
+        "VRAMSHARE_CLIENT_CA_FILE": str(cluster.ca.cert_path),
+        "VRAMSHARE_CLIENT_NAMES": WEBHOOK_CLIENT,
         "PYTHONUNBUFFERED": "1",
         **(env or {}),
     }
@@ -312,3 +317,14 @@ def bare_booking(
         "metadata": {"name": name, "namespace": namespace, "finalizers": [FINALIZER_POD_GONE]},
         "spec": {"podName": pod, "memoryMiB": mib, "nodeName": node, "gpuUUID": uuid, "gpuIndex": index},
     }
+
+
+def as_the_api_server(cluster: LocalCluster) -> ssl.SSLContext:
+    """A TLS client context that presents the API server's client certificate for webhooks (and does
+    not check the webhook's own): for tests that post AdmissionReviews as the API server would."""
+    ctx = ssl.create_default_context()
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    pair = cluster.credentials.webhook_client()
+    ctx.load_cert_chain(str(pair.cert_path), str(pair.key_path))
+    return ctx

@@ -10,6 +10,11 @@ import yaml
 
 from vramshare_e2e.certs import CertificateAuthority, CertPair
 
+WEBHOOK_CLIENT = "vramshare-e2e-kube-apiserver"
+"""The common name of the client certificate the API server presents to admission webhooks (its
+AdmissionConfiguration's kubeconfig), as an operator configures theirs: vramshare's webhook answers
+admission reviews only from it (VRAMSHARE_CLIENT_NAMES)."""
+
 
 class Credentials:
     """Mints client certificates from the cluster's CA and writes kubeconfigs into its work folder."""
@@ -58,3 +63,54 @@ class Credentials:
         path.write_text(yaml.safe_dump(config))
         path.chmod(0o600)
         return path
+
+    def webhook_admission_config(self) -> Path:
+        """An AdmissionConfiguration for the API server (`--admission-control-config-file`): it presents
+        a client certificate (common name `WEBHOOK_CLIENT`, from the cluster's CA) to every admission
+        webhook that asks for one."""
+        pair = self.ca.issue("apiserver-webhook-client", common_name=WEBHOOK_CLIENT, client=True)
+        kubeconfig = self.workdir / "webhook-client.kubeconfig"
+        kubeconfig.write_text(
+            yaml.safe_dump(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Config",
+                    "users": [
+                        {
+                            "name": "*",
+                            "user": {
+                                "client-certificate": str(pair.cert_path),
+                                "client-key": str(pair.key_path),
+                            },
+                        }
+                    ],
+                }
+            )
+        )
+        kubeconfig.chmod(0o600)
+        webhook = {
+            "apiVersion": "apiserver.config.k8s.io/v1",
+            "kind": "WebhookAdmissionConfiguration",
+            "kubeConfigFile": str(kubeconfig),
+        }
+        config = self.workdir / "admission-config.yaml"
+        config.write_text(
+            yaml.safe_dump(
+                {
+                    "apiVersion": "apiserver.config.k8s.io/v1",
+                    "kind": "AdmissionConfiguration",
+                    "plugins": [
+                        {"name": "MutatingAdmissionWebhook", "configuration": webhook},
+                        {"name": "ValidatingAdmissionWebhook", "configuration": webhook},
+                    ],
+                }
+            )
+        )
+        return config
+
+    def webhook_client(self) -> CertPair:
+        """The API server's client certificate for webhooks (to post reviews as it does)."""
+        return CertPair(
+            cert_path=self.pki_dir / "apiserver-webhook-client.crt",
+            key_path=self.pki_dir / "apiserver-webhook-client.key",
+        )

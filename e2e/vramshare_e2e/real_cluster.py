@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from vramshare_e2e.cluster import ClusterSettings, LocalCluster
+from vramshare_e2e.credentials import WEBHOOK_CLIENT
 from vramshare_e2e.fleet import FakeGpu, FakeNode, Fleet, default_fleet, stable_gpu_uuid
 from vramshare_e2e.image import ProductImage, product_image
 from vramshare_e2e.node import RealNode, node_address
@@ -128,7 +129,8 @@ def cluster_policy(*, cdi_enabled: bool, nri_plugin_enabled: bool) -> dict[str, 
 def operator_values(cluster: LocalCluster, image: ProductImage) -> list[str]:
     """What an operator sets for nodes like these, and nothing else: the image (imported, so never
     pulled), Prometheus, hostNetwork (pods here reach nothing off their node but loopback), the API
-    server's address (no kube-proxy routes the kubernetes Service) and a nodeSelector."""
+    server's address (no kube-proxy routes the kubernetes Service), a nodeSelector and the CA of the
+    API server's client certificate for webhooks."""
     port = cluster.api_url.rsplit(":", 1)[1]
     on_real_nodes = json.dumps({REAL_NODE_LABEL: "true"})
     return [
@@ -140,6 +142,10 @@ def operator_values(cluster: LocalCluster, image: ProductImage) -> list[str]:
         *("--set-json", f"webhook.nodeSelector={on_real_nodes}"),
         *("--set-json", f"controller.nodeSelector={on_real_nodes}"),
         *("--set", f"controller.settings.prometheus_url={cluster.prometheus_url}"),
+        # The API server authenticates to webhooks with a client certificate (vramshare_e2e.credentials),
+        # as the README tells operators to configure theirs: the webhook answers only it.
+        *("--set-file", f"webhook.clientAuth.caBundle={cluster.ca.cert_path}"),
+        *("--set-json", f"webhook.clientAuth.names={json.dumps([WEBHOOK_CLIENT])}"),
     ]
 
 

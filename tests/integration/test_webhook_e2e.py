@@ -7,9 +7,11 @@ import json
 import re
 import ssl
 import time
+import urllib.error
 import urllib.request
 from collections import defaultdict
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from kubernetes import client
@@ -17,7 +19,7 @@ from kubernetes.client.rest import ApiException
 
 from vramshare.kube.resources import ANNOTATION_GPU_UUID, ANNOTATION_NODE, ANNOTATION_RESERVATION
 from vramshare_e2e.cluster import LocalCluster
-from vramshare_e2e.components import seed_inventory, start_webhook, webhook_configuration
+from vramshare_e2e.components import as_the_api_server, seed_inventory, start_webhook, webhook_configuration
 
 pytestmark = pytest.mark.cluster
 MARGIN = 512
@@ -325,31 +327,62 @@ def test_concurrent_creations_over_two_replicas_never_overbook(
     )
 
 
-def test_forged_reviews_book_at_most_the_pending_limit(
+def review_of(i: int, namespace: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "admission.k8s.io/v1",
+        "kind": "AdmissionReview",
+        "request": {
+            "uid": f"forged-{i}",
+            "operation": "CREATE",
+            "kind": {"kind": "Pod"},
+            "namespace": namespace,
+            "object": {
+                "metadata": {"name": f"ghost-{i}", "annotations": {"gpu-mem-mb": "10"}},
+                "spec": {"containers": [{"name": "base"}]},
+            },
+        },
+    }
+
+
+def test_reviews_the_api_server_did_not_send_are_refused_and_book_nothing(
     cluster: LocalCluster, webhooks: dict[str, int], gpu_namespace: str
 ) -> None:
-    """Whoever reaches the webhook port can send AdmissionReviews the API server never sent. Their
-    bookings have no pod, so they expire with the TTL; meanwhile at most `max_pending_per_namespace`
-    (100 here; 1000 by default) stand per namespace."""
-    ctx = ssl.create_default_context()
-    ctx.check_hostname = False
-    ctx.verify_mode = ssl.CERT_NONE
+    """Issue #42, 2: a review from a caller without the API server's client certificate (none, or one
+    the cluster's CA signed for a user) gets a 403 before it is read, and books nothing."""
+    bare = ssl.create_default_context()
+    bare.check_hostname = False
+    bare.verify_mode = ssl.CERT_NONE
+    user = ssl.create_default_context()
+    user.check_hostname = False
+    user.verify_mode = ssl.CERT_NONE
+    mallory = cluster.mint_client_cert("mallory")
+    user.load_cert_chain(str(mallory.cert_path), str(mallory.key_path))
+    before = len(reservations(cluster, gpu_namespace))
+    for i, ctx in enumerate((bare, user, bare, user), start=1000):
+        req = urllib.request.Request(
+            f"https://127.0.0.1:{webhooks['a']}/mutate",
+            data=json.dumps(review_of(i, gpu_namespace)).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(req, context=ctx, timeout=10)
+        assert refused.value.code == 403
+        said = refused.value.read().decode()
+        assert ("not one vramshare accepts" if ctx is user else "only from the API server") in said, said
+    assert len(reservations(cluster, gpu_namespace)) == before
+
+
+def test_reviews_from_the_api_servers_seat_book_at_most_the_pending_limit(
+    cluster: LocalCluster, webhooks: dict[str, int], gpu_namespace: str
+) -> None:
+    """Reviews with the API server's certificate whose pods never appear (a pod the API server then
+    refuses, or whoever holds that certificate): their bookings have no pod, so they expire with the
+    TTL; meanwhile at most `max_pending_per_namespace` (100 here; 1000 by default) stand per
+    namespace."""
+    ctx = as_the_api_server(cluster)
     allowed = 0
     for i in range(110):
-        review = {
-            "apiVersion": "admission.k8s.io/v1",
-            "kind": "AdmissionReview",
-            "request": {
-                "uid": f"forged-{i}",
-                "operation": "CREATE",
-                "kind": {"kind": "Pod"},
-                "namespace": gpu_namespace,
-                "object": {
-                    "metadata": {"name": f"ghost-{i}", "annotations": {"gpu-mem-mb": "10"}},
-                    "spec": {"containers": [{"name": "base"}]},
-                },
-            },
-        }
+        review = review_of(i, gpu_namespace)
         req = urllib.request.Request(
             f"https://127.0.0.1:{webhooks['a']}/mutate",
             data=json.dumps(review).encode(),

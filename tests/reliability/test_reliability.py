@@ -10,7 +10,6 @@ import json
 import os
 import random
 import socket
-import ssl
 import subprocess
 import threading
 import time
@@ -32,7 +31,13 @@ from vramshare.kube.heartbeat import ANNOTATION_HEARTBEAT
 from vramshare.kube.resources import ANNOTATION_RESERVATION
 from vramshare_e2e.admission_parts import start_mutating_webhook
 from vramshare_e2e.cluster import LocalCluster
-from vramshare_e2e.components import metric, start_controller, start_webhook, webhook_configuration
+from vramshare_e2e.components import (
+    as_the_api_server,
+    metric,
+    start_controller,
+    start_webhook,
+    webhook_configuration,
+)
 from vramshare_e2e.process import eventually
 
 pytestmark = pytest.mark.cluster
@@ -409,9 +414,7 @@ def _try_create(stack: Stack, name: str, mib: int) -> Any:
 
 def test_fuzzed_admission_reviews_get_a_review_or_a_400(stack: Stack) -> None:
     port = stack.ports["r1"]
-    ctx = ssl.create_default_context()
-    ctx.check_hostname = False
-    ctx.verify_mode = ssl.CERT_NONE
+    ctx = as_the_api_server(stack.cluster)  # hostile input from the API server's own seat
     statuses: Counter[int] = Counter()
     started = time.monotonic()
 

@@ -36,9 +36,12 @@ log = structlog.get_logger("vramshare.webhook")
 
 async def _certificates(settings: WebhookSettings, kube: KubeClient) -> tuple[ReloadingTls, SecretTls | None]:
     """The serving certificate per the TLS mode; in the Secret modes, keep trying until it is there."""
+    client_ca = Path(settings.client_ca_file) if settings.client_ca_file else None
     if settings.tls_mode is TlsMode.FILES:
         return ReloadingTls(
-            cert_file=Path(settings.tls_cert_file), key_file=Path(settings.tls_key_file)
+            cert_file=Path(settings.tls_cert_file),
+            key_file=Path(settings.tls_key_file),
+            client_ca_file=client_ca,
         ), None
     secret = SecretTls(
         kube=kube,
@@ -54,7 +57,9 @@ async def _certificates(settings: WebhookSettings, kube: KubeClient) -> tuple[Re
     while True:
         try:
             await secret.sync()
-            return ReloadingTls(cert_file=secret.cert_file, key_file=secret.key_file), secret
+            return ReloadingTls(
+                cert_file=secret.cert_file, key_file=secret.key_file, client_ca_file=client_ca
+            ), secret
         except Exception as exc:  # e.g. RBAC not there yet, or the webhook configuration not applied
             log.warning("waiting for the serving certificate", mode=settings.tls_mode.value, error=str(exc))
             await asyncio.sleep(2)
@@ -156,7 +161,12 @@ async def serve(settings: WebhookSettings) -> None:
         for signum in (signal.SIGTERM, signal.SIGINT):
             asyncio.get_running_loop().add_signal_handler(signum, stopping.set)
         runner = web.AppRunner(
-            create_app(admitter=admitter, ready=ready, draining=stopping.is_set),
+            create_app(
+                admitter=admitter,
+                ready=ready,
+                draining=stopping.is_set,
+                callers=settings.client_name_list if settings.client_ca_file else None,
+            ),
             access_log=None,
             # Answers in flight when the listener closes are finished: they are bounded by the deadline.
             shutdown_timeout=settings.decision_deadline_s + 2,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import structlog
 from aiohttp import web
@@ -10,18 +10,33 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from vramshare_webhook import review as rv
 from vramshare_webhook.admission import Admitter
+from vramshare_webhook.callers import caller_problem
 
 log = structlog.get_logger("vramshare.webhook")
 
 
 def create_app(
-    *, admitter: Admitter, ready: Callable[[], bool], draining: Callable[[], bool] = lambda: False
+    *,
+    admitter: Admitter,
+    ready: Callable[[], bool],
+    draining: Callable[[], bool] = lambda: False,
+    callers: Iterable[str] | None = None,
 ) -> web.Application:
     """The webhook's HTTP surface. While `draining` (after SIGTERM) it is not ready and closes each
-    connection after its answer, so clients open new ones to the replicas that stay."""
+    connection after its answer, so clients open new ones to the replicas that stay. With `callers`
+    (client authentication on: the names accepted, empty for any the CA signed), /mutate answers only a
+    caller with a verified client certificate (see vramshare_webhook.callers)."""
     app = web.Application(client_max_size=rv.MAX_BODY_BYTES + 1024)
+    accepted = frozenset(callers) if callers is not None else None
 
     async def mutate(request: web.Request) -> web.Response:
+        if accepted is not None:
+            peer = request.transport.get_extra_info("peercert") if request.transport is not None else None
+            problem = caller_problem(peer, accepted=accepted)
+            if problem is not None:
+                admitter.metrics.decisions.labels("forbidden", "unauthenticated-caller").inc()
+                log.warning("admission review from an unauthenticated caller refused", remote=request.remote)
+                return web.json_response({"error": problem}, status=403)
         body = b""
         try:
             if request.content_length is not None and request.content_length > rv.MAX_BODY_BYTES:

@@ -178,6 +178,14 @@ class WebhookSettings:
     is made; the caBundle holds old and new together until the old one expires."""
     """Lifetime of a self-managed serving certificate; it is renewed when a third of it is left."""
     tls_sync_interval_s: float = 30.0
+    client_ca_file: str = ""
+    """PEM file of the CA that signed the client certificate the API server presents to admission
+    webhooks (its AdmissionConfiguration's kubeconfig). Set: /mutate answers only a caller presenting a
+    certificate this CA signed (with a name in client_names), and refuses any other with 403 before
+    reading its review, so a forged review books nothing. Empty: any caller that reaches the port."""
+    client_names: str = ""
+    """Comma-separated common names (or DNS names) accepted from certificates client_ca_file signed;
+    empty: any it signed."""
     webhook_configuration: str = "vramshare"
     """The MutatingWebhookConfiguration whose caBundle the self-managed mode keeps."""
     namespace: str = "vramshare"
@@ -221,6 +229,10 @@ class WebhookSettings:
     @property
     def default_refusal(self) -> RefusalStyle:
         return RefusalStyle.RETRY_AFTER if self.denial_code == 429 else RefusalStyle.FORBIDDEN
+
+    @property
+    def client_name_list(self) -> frozenset[str]:
+        return frozenset(n.strip() for n in self.client_names.split(",") if n.strip())
 
     def retry_hint_after(self, retry_after_s: int, style: RefusalStyle | None = None) -> str:
         """The refusal's last sentence: how the task will be retried."""

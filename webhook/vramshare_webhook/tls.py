@@ -26,11 +26,16 @@ log = structlog.get_logger("vramshare.webhook.tls")
 
 
 class ReloadingTls:
-    def __init__(self, *, cert_file: Path, key_file: Path) -> None:
+    def __init__(self, *, cert_file: Path, key_file: Path, client_ca_file: Path | None = None) -> None:
         self.cert_file = cert_file
         self.key_file = key_file
         self.context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         self.context.minimum_version = ssl.TLSVersion.TLSv1_2
+        if client_ca_file is not None:
+            # Optional at the handshake: probes and scrapes come without a certificate; /mutate
+            # requires one (see vramshare_webhook.callers). One that is presented must verify.
+            self.context.verify_mode = ssl.CERT_OPTIONAL
+            self.context.load_verify_locations(cafile=str(client_ca_file))
         self._stamp: tuple[float, float] | None = None
         self.reload_if_changed()
 

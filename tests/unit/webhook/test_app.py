@@ -12,6 +12,7 @@ from structlog.testing import capture_logs
 from tests.unit.webhook.fakes import MemoryLedger, admitter
 from vramshare_webhook import review as rv
 from vramshare_webhook.app import create_app
+from vramshare_webhook.callers import caller_problem
 
 
 def review_body(uid: str = "u1", mib: str = "4096") -> bytes:
@@ -131,3 +132,34 @@ async def test_while_draining_it_is_not_ready_and_closes_each_connection_after_i
         assert resp.status == 200  # still answering while the endpoints catch up
         assert (await resp.json())["response"]["uid"] == "u2"
         assert resp.headers["Connection"].lower() == "close"
+
+
+async def test_with_client_authentication_a_caller_without_a_certificate_gets_403_and_books_nothing() -> None:
+    """Issue #42, 2: a decision has side effects, so /mutate answers only the API server's certificate;
+    the probes and the metrics stay open (the kubelet and Prometheus present none)."""
+    ledger = MemoryLedger()
+    app = create_app(admitter=admitter(ledger), ready=lambda: True, callers=frozenset({"kube-apiserver"}))
+    async with TestClient(TestServer(app)) as http:
+        resp = await http.post("/mutate", data=review_body(), headers={"Content-Type": "application/json"})
+        assert resp.status == 403
+        assert "only from the API server" in (await resp.json())["error"]
+        assert ledger.objects == []
+        for probe in ("/healthz", "/readyz", "/metrics"):
+            assert (await http.get(probe)).status == 200
+        metrics = await (await http.get("/metrics")).text()
+        assert (
+            'vramshare_webhook_decisions_total{outcome="forbidden",reason="unauthenticated-caller"} 1.0'
+            in metrics
+        )
+
+
+def test_a_caller_is_known_by_a_verified_certificate_with_an_accepted_name() -> None:
+    def cert(cn: str, *dns: str) -> dict[str, object]:
+        return {"subject": ((("commonName", cn),),), "subjectAltName": tuple(("DNS", d) for d in dns)}
+
+    assert caller_problem(cert("kube-apiserver"), accepted={"kube-apiserver"}) is None
+    assert caller_problem(cert("x", "kube-apiserver"), accepted={"kube-apiserver"}) is None
+    assert caller_problem(cert("mallory"), accepted=()) is None  # any the CA signed
+    assert "not one vramshare accepts" in str(caller_problem(cert("mallory"), accepted={"kube-apiserver"}))
+    for nothing in (None, {}):
+        assert "only from the API server" in str(caller_problem(nothing, accepted=()))
