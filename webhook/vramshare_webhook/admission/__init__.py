@@ -3,6 +3,7 @@
 - `context`: the ledger port, the cluster view, the settings and metrics a step may use;
 - `triage`: what kind of request it is; `intent`: what a GPU pod asks for, resolved once;
 - `earlier`: a reinvocation's earlier pass; `naming`: reservation names, a taken pod name;
+- `debug`: debug containers, which see their pod's own GPUs (as its booking confirms them) or none;
 - `place`: view, node constraints, `limits`, choice and `commit`, with the conflict loop;
 - `queueing` and `refusal`: a pod that waits, or is refused (and a hold for its next try);
 - `budget`: the guardrail variables; `outcome`: the one patch;

@@ -5,6 +5,8 @@ result a value:
 
     request -> triage -> intent -> earlier pass? -> name taken? -> place -> outcome (one patch)
 
+and, for debug containers (`pods/ephemeralcontainers`), request -> triage -> debug.
+
 `Admitter.review()` bounds it by the decision deadline, turns any failure into an answer, and records
 the metrics and the log line: whatever happens, the API server gets a well-formed answer carrying the
 request UID.
