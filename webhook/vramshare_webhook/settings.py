@@ -173,10 +173,10 @@ class WebhookSettings:
     tls_names: str = ""
     """Comma-separated DNS names and IPs the API server reaches the webhook by (self-managed mode)."""
     tls_serving_validity_s: float = 365 * 86400.0
+    """Lifetime of a self-managed serving certificate; it is renewed when a third of it is left."""
     tls_ca_validity_s: float = 3650 * 86400.0
     """Lifetime of the self-managed CA. When it would not outlive the next serving certificate a new CA
     is made; the caBundle holds old and new together until the old one expires."""
-    """Lifetime of a self-managed serving certificate; it is renewed when a third of it is left."""
     tls_sync_interval_s: float = 30.0
     client_ca_file: str = ""
     """PEM file of the CA that signed the client certificate the API server presents to admission
