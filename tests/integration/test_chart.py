@@ -61,6 +61,10 @@ VARIANTS = {
         "controller.airflowPool.caFile=/var/run/secrets/vramshare/airflow/ca.crt",
         "--set",
         "controller.airflowPool.basis=memory",
+        "--set-string",
+        "webhook.clientAuth.caBundle=-----BEGIN CERTIFICATE-----",
+        "--set",
+        "webhook.clientAuth.names[0]=kube-apiserver",
     ],
 }
 

@@ -374,6 +374,12 @@ def test_helm_test_runs_its_pod_and_every_webhook_endpoint_answers(stack: Stack)
             f"the vramshare webhook at {address}:8443 answered over TLS verified for {WEBHOOK}.{NS}.svc"
             in out
         ), out
+        # The chart here is installed with webhook.clientAuth (the API server's client certificate):
+        # a review from the test pod, which has none, is refused (issue #42, 2).
+        assert (
+            f"the vramshare webhook at {address}:8443 refused a review without the API server's client "
+            "certificate (403)" in out
+        ), out
     assert f"all 2 endpoints of {WEBHOOK} answered" in out
 
 
