@@ -24,6 +24,7 @@ class Credentials:
         self.pki_dir = pki_dir
         self.workdir = workdir
         self.api_url = api_url
+        self._webhook_client: CertPair | None = None
 
     def client_cert(self, user: str, *, groups: tuple[str, ...] = ()) -> CertPair:
         """A client certificate the API server authenticates as `user` in `groups`."""
@@ -68,7 +69,7 @@ class Credentials:
         """An AdmissionConfiguration for the API server (`--admission-control-config-file`): it presents
         a client certificate (common name `WEBHOOK_CLIENT`, from the cluster's CA) to every admission
         webhook that asks for one."""
-        pair = self.ca.issue("apiserver-webhook-client", common_name=WEBHOOK_CLIENT, client=True)
+        pair = self.webhook_client()
         kubeconfig = self.workdir / "webhook-client.kubeconfig"
         kubeconfig.write_text(
             yaml.safe_dump(
@@ -109,8 +110,9 @@ class Credentials:
         return config
 
     def webhook_client(self) -> CertPair:
-        """The API server's client certificate for webhooks (to post reviews as it does)."""
-        return CertPair(
-            cert_path=self.pki_dir / "apiserver-webhook-client.crt",
-            key_path=self.pki_dir / "apiserver-webhook-client.key",
-        )
+        """The API server's client certificate for webhooks (to post reviews as it does), issued once."""
+        if self._webhook_client is None:
+            self._webhook_client = self.ca.issue(
+                "apiserver-webhook-client", common_name=WEBHOOK_CLIENT, client=True
+            )
+        return self._webhook_client

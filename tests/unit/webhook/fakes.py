@@ -7,6 +7,7 @@ import asyncio
 import base64
 import copy
 import json
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -129,12 +130,20 @@ def request(mib: str | None = "4096", *, uid: str = "u1", dry_run: bool = False,
     )
 
 
-def admitter(ledger: MemoryLedger, **settings: Any) -> Admitter:
+def admitter(
+    ledger: MemoryLedger,
+    *,
+    cluster: ClusterView | None = None,
+    clock: Callable[[], float] = lambda: NOW,
+    **settings: Any,
+) -> Admitter:
+    """An Admitter on `ledger`, no safety margin, the settings given, and what it sees of the cluster."""
     return Admitter(
         settings=WebhookSettings(accounting=Accounting(safety_margin_mib=0), **settings),
         ledger=ledger,
         metrics=WebhookMetrics(),
-        clock=lambda: NOW,
+        clock=clock,
+        cluster=cluster,
     )
 
 
@@ -153,14 +162,12 @@ def with_spec(req: rv.Request, **spec: Any) -> rv.Request:
 
 
 def delivering(ledger: MemoryLedger, *, label: str | None = None, **settings: Any) -> Admitter:
-    return Admitter(
-        settings=WebhookSettings(accounting=Accounting(safety_margin_mib=0), **settings),
-        ledger=ledger,
-        metrics=WebhookMetrics(),
-        clock=lambda: NOW,
+    return admitter(
+        ledger,
         cluster=ClusterView(
             namespace_labels=lambda namespace: {"vramshare.io/delivery": label} if label else {}
         ),
+        **settings,
     )
 
 

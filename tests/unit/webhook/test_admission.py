@@ -10,13 +10,12 @@ import pytest
 
 from tests.unit.domain.builders import NOW, gpu
 from tests.unit.webhook.fakes import MemoryLedger, admitter, airflow, delivering, patch_of, request, with_spec
-from vramshare.domain import Accounting, ReservationPhase
+from vramshare.domain import ReservationPhase
 from vramshare.kube.objects import GpuReservation
 from vramshare.settings import SettingsError
 from vramshare_webhook import review as rv
-from vramshare_webhook.admission import Admitter, ClusterView
+from vramshare_webhook.admission import ClusterView
 from vramshare_webhook.delivery_modes import DeliveryMode
-from vramshare_webhook.metrics import WebhookMetrics
 from vramshare_webhook.settings import WebhookSettings
 
 
@@ -128,12 +127,7 @@ async def test_copied_annotations_get_no_placement_they_did_not_pay_for(
 ) -> None:
     ledger = MemoryLedger()
     now = [NOW]
-    a = Admitter(
-        settings=WebhookSettings(accounting=Accounting(safety_margin_mib=0)),
-        ledger=ledger,
-        metrics=WebhookMetrics(),
-        clock=lambda: now[0],
-    )
+    a = admitter(ledger, clock=lambda: now[0])
     original = request()
     first = await a.review(original)
     (booked,) = ledger.objects
@@ -160,10 +154,8 @@ async def test_the_reinvocation_window_runs_on_the_api_servers_clock() -> None:
     """A webhook whose clock is 40 s ahead (window 30 s) refused every reinvocation as too old, so
     pods in namespaces with a sidecar injector booked twice (issue #30, 3)."""
     ledger = MemoryLedger()
-    a = Admitter(
-        settings=WebhookSettings(accounting=Accounting(safety_margin_mib=0)),
-        ledger=ledger,
-        metrics=WebhookMetrics(),
+    a = admitter(
+        ledger,
         clock=lambda: NOW + 40,
         # the clock that stamped the booking's creationTimestamp
         cluster=ClusterView(server_clock=lambda: NOW),
@@ -318,12 +310,8 @@ async def test_queue_mode_admits_behind_the_gate_with_a_queued_entry() -> None:
 async def test_queue_mode_from_the_namespace_label_and_the_annotation_wins() -> None:
     ledger = MemoryLedger()
     ledger.gpus = (gpu("GPU-a", total=16_384, used=14_000),)
-    queued_ns = Admitter(
-        settings=WebhookSettings(accounting=Accounting(safety_margin_mib=0)),
-        ledger=ledger,
-        metrics=WebhookMetrics(),
-        clock=lambda: NOW,
-        cluster=ClusterView(namespace_labels=lambda namespace: {"vramshare.io/queue": "true"}),
+    queued_ns = admitter(
+        ledger, cluster=ClusterView(namespace_labels=lambda namespace: {"vramshare.io/queue": "true"})
     )
     assert (await queued_ns.review(request("8000")))["response"]["allowed"]
     refused = await queued_ns.review(request("8000", uid="u2", annotations={"gpu-queue": "false"}))
@@ -475,11 +463,8 @@ async def test_on_an_mps_node_the_driver_limit_is_set() -> None:
 
     ledger = MemoryLedger()
     ledger.gpus = (gpu("GPU-a", total=16_384),)
-    webhook = Admitter(
-        settings=WebhookSettings(accounting=Accounting(safety_margin_mib=0)),
-        ledger=ledger,
-        metrics=WebhookMetrics(),
-        clock=lambda: NOW,
+    webhook = admitter(
+        ledger,
         cluster=ClusterView(
             nodes=lambda: [NodeView(name="node-a", labels={"nvidia.com/mps.capable": "true"})]
         ),
@@ -781,12 +766,10 @@ async def test_the_executors_pods_are_refused_so_it_requeues_them_without_pausin
 
 async def test_the_refusal_is_chosen_per_pod_then_per_namespace_and_a_bad_value_is_a_400() -> None:
     ledger = MemoryLedger()
-    labelled = Admitter(
-        settings=WebhookSettings(accounting=Accounting(safety_margin_mib=0), retry_after_s=40),
-        ledger=ledger,
-        metrics=WebhookMetrics(),
-        clock=lambda: NOW,
+    labelled = admitter(
+        ledger,
         cluster=ClusterView(namespace_labels=lambda namespace: {"vramshare.io/refusal": "retry-after"}),
+        retry_after_s=40,
     )
     code, message, details = refusal_of(await labelled.review(request("20000", **EXECUTOR_POD)))
     assert (code, details) == (429, {"retryAfterSeconds": 40})  # nothing frees: the longest wait

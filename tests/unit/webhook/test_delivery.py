@@ -11,9 +11,7 @@ from typing import Any
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tests.unit.domain.builders import NOW
 from tests.unit.webhook.fakes import MemoryLedger, admitter, apply, delivering, patch_of, request, with_spec
-from vramshare.domain import Accounting
 from vramshare.domain.delivery_judgement import MODES
 from vramshare_webhook.admission import Admitter, ClusterView
 from vramshare_webhook.delivery_modes import (
@@ -22,7 +20,6 @@ from vramshare_webhook.delivery_modes import (
     foreign_gpu_requests,
     is_device_mount,
 )
-from vramshare_webhook.metrics import WebhookMetrics
 from vramshare_webhook.pod_patch import ephemeral_patch, hide_gpus_patch
 from vramshare_webhook.settings import WebhookSettings
 
@@ -338,13 +335,7 @@ def test_hiding_leaves_nothing_nvidias_stack_would_read_as_a_request(
 
 async def test_a_namespace_names_its_own_device_list_claim_and_a_bad_one_is_named() -> None:
     def labelled(labels: dict[str, str]) -> Admitter:
-        return Admitter(
-            settings=WebhookSettings(accounting=Accounting(safety_margin_mib=0)),
-            ledger=MemoryLedger(),
-            metrics=WebhookMetrics(),
-            clock=lambda: NOW,
-            cluster=ClusterView(namespace_labels=lambda namespace: labels),
-        )
+        return admitter(MemoryLedger(), cluster=ClusterView(namespace_labels=lambda namespace: labels))
 
     req = request()
     review = await labelled(

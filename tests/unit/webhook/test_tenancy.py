@@ -10,14 +10,13 @@ from decimal import Decimal
 from typing import Any
 
 from tests.unit.domain.builders import gpu
+from tests.unit.webhook import fakes
 from tests.unit.webhook.fakes import MemoryLedger, airflow, patch_of, request
-from vramshare.domain import Accounting, ReservationPhase
+from vramshare.domain import ReservationPhase
 from vramshare.kube.objects import GpuReservation
 from vramshare_webhook import review as rv
 from vramshare_webhook.admission import Admitter, ClusterView
 from vramshare_webhook.memory_resource import memory_resource_patch, quantity, quotas_in
-from vramshare_webhook.metrics import WebhookMetrics
-from vramshare_webhook.settings import WebhookSettings
 
 RESOURCE = "vramshare.io/gpu-mem-mib"
 NOW = 1_800_000_000.0
@@ -31,14 +30,12 @@ def quota(hard: str, *, name: str = "gpu", namespace: str = "airflow", **spec: A
 
 
 def admitter(ledger: MemoryLedger, *, quotas: list[dict[str, Any]] = (), **settings: Any) -> Admitter:  # type: ignore[assignment]
-    return Admitter(
-        settings=WebhookSettings(accounting=Accounting(safety_margin_mib=0), **settings),
-        ledger=ledger,
-        metrics=WebhookMetrics(),
-        clock=lambda: NOW,
+    return fakes.admitter(
+        ledger,
         cluster=ClusterView(
             resource_quotas=lambda namespace: [q for q in quotas if q["metadata"]["namespace"] == namespace]
         ),
+        **settings,
     )
 
 
