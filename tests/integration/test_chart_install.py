@@ -433,20 +433,27 @@ def test_subresources_and_gates_are_no_way_around_the_ledger(stack: LocalCluster
         stack.kubectl("create", "-f", "-", stdin=json.dumps(fresh))
     placed_uuid = pod("fresh-gpu")["metadata"]["annotations"]["vramshare.io/gpu-uuid"]
     for name, expected in (("fresh-plain", "void"), ("fresh-gpu", placed_uuid)):
-        body = pod(name)
-        body["metadata"].setdefault("annotations", {})["vramshare.io/gpu-uuid"] = "all"
-        body["metadata"].setdefault("labels", {})["vramshare.io/reservation"] = pod("debugged")["metadata"][
-            "labels"
-        ]["vramshare.io/reservation"]
-        body["spec"]["ephemeralContainers"] = [
-            *body["spec"].get("ephemeralContainers", []),
-            {"name": "grab", "image": "example.invalid/busybox"},
-        ]
-        sent = tmp_path / f"{name}.json"
-        sent.write_text(json.dumps(body))
-        stack.kubectl(
-            "replace", "--raw", f"/api/v1/namespaces/jobs/pods/{name}/ephemeralcontainers", "-f", str(sent)
-        )
+
+        def forge(name: str = name) -> str | bool:
+            """The update as the attacker sends it; read again and resent while kwok's status writes
+            move the pod (409 Conflict)."""
+            body = pod(name)
+            body["metadata"].setdefault("annotations", {})["vramshare.io/gpu-uuid"] = "all"
+            body["metadata"].setdefault("labels", {})["vramshare.io/reservation"] = pod("debugged")[
+                "metadata"
+            ]["labels"]["vramshare.io/reservation"]
+            body["spec"]["ephemeralContainers"] = [
+                *body["spec"].get("ephemeralContainers", []),
+                {"name": "grab", "image": "example.invalid/busybox"},
+            ]
+            sent = tmp_path / f"{name}.json"
+            sent.write_text(json.dumps(body))
+            path = f"/api/v1/namespaces/jobs/pods/{name}/ephemeralcontainers"
+            out = stack.kubectl("replace", "--raw", path, "-f", str(sent), check=False)
+            assert "Conflict" in out or '"kind":"Pod"' in out, out
+            return "Conflict" not in out and out
+
+        eventually(forge, what=f"the forged ephemeral-containers update of {name} sent", timeout_s=30)
         after = pod(name)
         (grab,) = [c for c in after["spec"]["ephemeralContainers"] if c["name"] == "grab"]
         env = {e["name"]: e.get("value") for e in grab.get("env", [])}
