@@ -279,6 +279,14 @@ def steady(core: client.CoreV1Api, phase: str) -> Loop:
     )
 
 
+def name_refused_as_taken(core: client.CoreV1Api) -> bool:
+    try:
+        core.create_namespaced_pod("mallory", gpu_pod("squat", 39_000))
+    except ApiException as exc:
+        return exc.status == 409 and "books nothing for a pod that cannot be created" in str(exc.body)
+    return False
+
+
 def test_attacks_cost_another_namespace_nothing(stack: LocalCluster) -> None:
     core = api_as(stack)
     # Without attackers: the steady namespace's admission rate.
@@ -296,6 +304,10 @@ def test_attacks_cost_another_namespace_nothing(stack: LocalCluster) -> None:
             spec=client.V1PodSpec(containers=[client.V1Container(name="c", image="example.invalid/x")]),
         ),
     )
+    # The webhook learns of the squatted pod from its watch, a moment after the create returns; the
+    # attack starts once it answers as it will from then on (a create before that is refused for room or
+    # admitted and then refused by the API server, and books nothing either way: asserted below).
+    eventually(lambda: name_refused_as_taken(mallory), what="the webhook to see mallory/squat", timeout_s=10)
     attacks = [
         # Re-creating a taken name with a large request.
         Loop("taken-name", lambda i: ("mallory", gpu_pod("squat", 39_000)), core=mallory, pause_s=0.1),
