@@ -58,8 +58,21 @@ unit: venv ## Fast tests: no I/O, without the slow ones (SLOW=1: with them; make
 TEST_WORKERS ?= 2
 
 .PHONY: test
-test: venv tools node-image airflow lint typecheck contracts ## Everything: lint, types, contracts, unit, integration, e2e
+test: venv tools node-image airflow browser lint typecheck contracts docs ## Everything: lint, types, contracts, the manual, unit, integration, e2e
 	$(BIN)/pytest --numprocesses=$(TEST_WORKERS) --dist=loadfile
+
+.PHONY: docs
+docs: venv ## The manual: docs/ built into site/ by MkDocs, strict (a broken link, anchor or stale reference page fails)
+	$(BIN)/python -m vramshare_e2e.reference_docs --check
+	$(BIN)/python -m vramshare_e2e.docs_site
+
+.PHONY: docs-reference
+docs-reference: venv ## Regenerate the manual's reference pages (settings, metrics, CRDs, chart values) from the code
+	$(BIN)/python -m vramshare_e2e.reference_docs
+
+.PHONY: browser
+browser: venv ## Install Debian's Chromium where missing, for the manual's browser test
+	@$(BIN)/python -m vramshare_e2e.docs_site --chromium
 
 .PHONY: demo
 demo: venv tools $(if $(REAL_NODE),node-image,) ## The whole system on a local control plane: pods admitted, placed, refused (KEEP=1 keeps it up; REAL_NODE=1: the chart on real nodes)

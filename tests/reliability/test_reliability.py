@@ -1,7 +1,7 @@
 """The adversarial suite: vramshare under load, crashes, outages, hostile input and TLS probing.
 
 Runs in `make test` at sizes that fit CI; `make reliability` runs it larger (RELIABILITY_PODS).
-Every figure it measures is printed with a `[reliability]` prefix for docs/reliability.md.
+Every figure it measures is printed with a `[reliability]` prefix for docs/benchmarks/reliability.md.
 """
 
 from __future__ import annotations

@@ -74,6 +74,7 @@ class WebhookSettings:
     annotation: str = DEFAULT_ANNOTATION
     """The pod annotation carrying the memory request in MiB."""
     max_request_mib: int = DEFAULT_MAX_MIB
+    """Larger requests are refused as typos."""
     max_pending_per_namespace: int = 1000
     """At most this many bookings per namespace not yet bound to a pod (0: no limit). A real pod appears
     milliseconds after its admission and is bound within a second or so, even in a burst; a flood of
@@ -98,6 +99,8 @@ class WebhookSettings:
     max_gpus_per_pod: int = DEFAULT_MAX_GPUS
     """The most GPUs one pod may ask for with the annotation gpu-count (all on one node)."""
     policy: Policy = Policy.SPREAD
+    """spread (the GPU with the most headroom) or binpack (the least that fits); shared with the
+    controller's queue."""
     near_tie_mib: int = 512
     """GPUs within this of the policy's best count as tied; ties go to this replica's own preferred
     GPU, so replicas deciding at once rarely pick the same one and conflict. 0: the strict policy."""
@@ -165,11 +168,19 @@ class WebhookSettings:
     endpoints drop it before it stops listening (in-flight answers are then finished, within the
     decision deadline). The chart's preStop sleep comes before this."""
     host: str = "0.0.0.0"
+    """The address the webhook listens on."""
     port: int = 8443
+    """The HTTPS port the webhook listens on (the chart's webhook.port)."""
     tls_mode: TlsMode = TlsMode.FILES
+    """files (tls_cert_file and tls_key_file, reloaded when they change), secret (tls_secret, kept by
+    someone else) or self-managed (the webhook issues its certificate into tls_secret and keeps the
+    caBundle)."""
     tls_cert_file: str = ""
+    """Mode files: the serving certificate (PEM), reloaded when the file changes."""
     tls_key_file: str = ""
+    """Mode files: the serving certificate's private key (PEM)."""
     tls_secret: str = "vramshare-webhook-tls"
+    """Modes secret and self-managed: the TLS Secret in `namespace`."""
     tls_names: str = ""
     """Comma-separated DNS names and IPs the API server reaches the webhook by (self-managed mode)."""
     tls_serving_validity_s: float = 365 * 86400.0
@@ -178,6 +189,7 @@ class WebhookSettings:
     """Lifetime of the self-managed CA. When it would not outlive the next serving certificate a new CA
     is made; the caBundle holds old and new together until the old one expires."""
     tls_sync_interval_s: float = 30.0
+    """How often the Secret and the caBundle are checked."""
     client_ca_file: str = ""
     """PEM file of the CA that signed the client certificate the API server presents to admission
     webhooks (its AdmissionConfiguration's kubeconfig). Set: /mutate answers only a caller presenting a
@@ -207,6 +219,7 @@ class WebhookSettings:
     kubeconfig: str = ""
     """Empty: the in-cluster service account."""
     log_level: str = "info"
+    """debug, info, warning or error (one JSON object per line on stdout)."""
 
     @property
     def allocation(self) -> AllocationSettings:

@@ -25,6 +25,7 @@ from vramshare.settings import check_accounting, from_env, invalid
 @dataclass(frozen=True, kw_only=True)
 class ControllerSettings:
     prometheus_url: str = "http://prometheus-server.monitoring.svc"
+    """Where DCGM metrics are read: Prometheus' HTTP API (or Thanos, Mimir, a managed Prometheus)."""
     node_label: str = "auto"
     """The DCGM series label holding the Kubernetes node name. `auto`: `hostname` (dcgm-exporter
     4.6.0-4.8.3 and later), else `Hostname` (earlier releases); or name one, e.g. a relabelled `node`,
@@ -34,10 +35,13 @@ class ControllerSettings:
     prometheus_ca_file: str = ""
     """An https Prometheus is verified against this CA bundle (default: the system's CAs)."""
     prometheus_insecure_skip_verify: bool = False
+    """Do not verify an https Prometheus' certificate."""
     prometheus_bearer_token_file: str = ""
     """Sent as a bearer token, read again for every reading (a rotated token is picked up)."""
     prometheus_basic_auth_username: str = ""
+    """Basic auth towards Prometheus: the user (with prometheus_basic_auth_password_file)."""
     prometheus_basic_auth_password_file: str = ""
+    """Basic auth towards Prometheus: a file holding the password, read at every reading."""
     prometheus_headers: str = ""
     """Extra headers as a JSON object, e.g. {"X-Scope-OrgID": "ml"} for a Mimir or Cortex tenant."""
     prometheus_query_delay_s: float = 1.0
@@ -46,6 +50,7 @@ class ControllerSettings:
     total_drift_tolerance_mib: int = 64
     """A reading whose free + used + reserved differs from the card's pinned total by more is rejected."""
     poll_interval_s: float = 5.0
+    """How often the inventory is read from Prometheus."""
     delivery_mode: str = "runtime-class"
     """The webhook's delivery mode (the chart passes the webhook's value): the preflight reports
     whether it can deliver on each GPU's node (GpuDevice status.delivery, an event when it cannot)."""
@@ -59,6 +64,7 @@ class ControllerSettings:
     accounting: Accounting = field(default_factory=Accounting)
     """Shared with the webhook: VRAMSHARE_SAFETY_MARGIN_MIB, _SETTLE_S, _MAX_SAMPLE_AGE_S, _STALE_MODE."""
     missing_grace_s: float = 60.0
+    """A GPU absent from DCGM's series this long is Missing (no new bookings)."""
     forget_missing_after_s: float = 86_400.0
     """A GPU Missing this long with nothing booked on it is deleted (GpuDevice), with an event. 0: never."""
     reservation_ttl_s: float = 20.0
@@ -98,17 +104,22 @@ class ControllerSettings:
     """ready-gpus: one slot per Ready GPU; memory: per Ready GPU, how many tasks of
     airflow_pool_task_mib fit in its memory less the safety margin."""
     airflow_pool_task_mib: int = 8192
+    """Basis memory: the typical task's MiB; each Ready GPU gives as many slots as such tasks fit in
+    its memory less the safety margin."""
     airflow_pool_min_slots: int = 0
     """Never fewer slots than this."""
     airflow_pool_resync_s: float = 60.0
     """The slots are set again this often even when unchanged (a hand edit is undone)."""
     airflow_username: str = ""
+    """The Airflow user that edits the pool (token login at /auth/token, or basic auth on Airflow 2)."""
     airflow_password_file: str = ""
     """A file with the user's password (the chart mounts controller.airflowPool.credentialsSecret)."""
     airflow_ca_file: str = ""
     """An https API server is verified against this CA bundle (default: the system's CAs)."""
     namespace: str = "vramshare"
+    """The controller's own namespace (its Lease, its events); the chart sets it from the pod."""
     lease_name: str = DEFAULT_CONTROLLER_LEASE
+    """The Lease the controller replicas elect their leader by."""
     lease_duration_s: float = 15.0
     """A stand-by takes over a Lease it has seen unchanged for this long (by its own clock)."""
     lease_renew_deadline_s: float = 10.0
@@ -121,8 +132,11 @@ class ControllerSettings:
     """The address the metrics endpoint listens on; with hostNetwork the chart sets the pod's IP, so
     replicas sharing a node's network do not also listen on its other addresses."""
     metrics_port: int = 8080
+    """The port /metrics is served on."""
     kubeconfig: str = ""
+    """A kubeconfig file; empty: the pod's in-cluster service account."""
     log_level: str = "info"
+    """debug, info, warning or error (one JSON object per line on stdout)."""
 
     @property
     def allocation(self) -> AllocationSettings:

@@ -29,6 +29,8 @@ class Accounting:
     max_sample_age_s: float = 120.0
     """A GPU whose latest sample is older than this is stale."""
     stale_mode: StaleGpuMode = StaleGpuMode.REFUSE
+    """What a GPU whose latest sample is stale gets: refuse (no new bookings) or ledger-only (booked by
+    the ledger alone, as if nothing else used it)."""
 
     def problems(self) -> list[tuple[str, object, str]]:
         """Each invalid field as (name, value, what is accepted)."""
