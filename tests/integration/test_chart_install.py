@@ -615,6 +615,46 @@ def test_hiding_fails_closed_for_zero_requests_other_resources_and_a_missing_var
         stack.kubectl("create", "-f", str(kept))
 
 
+def test_privileged_containers_and_device_host_paths_are_refused_before_anything_is_booked(
+    stack: LocalCluster,
+) -> None:
+    """Issue #42, 9 (runs after the tests above): a privileged container, or a hostPath of the node's
+    devices, sees every GPU of the node whatever NVIDIA_VISIBLE_DEVICES says. In a managed namespace the
+    chart's hiding policy refuses such pods (debug containers too), and the webhook refuses such a GPU
+    pod before it books anything, naming the field."""
+
+    def create(name: str, *, annotations: dict[str, str] | None = None, **spec: Any) -> str:
+        body = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": name, "namespace": "jobs", "annotations": annotations or {}},
+            "spec": {"containers": [{"name": "base", "image": "example.invalid/x"}], **spec},
+        }
+        return stack.kubectl("create", "-f", "-", stdin=json.dumps(body), check=False)
+
+    privileged = [{"name": "base", "image": "example.invalid/x", "securityContext": {"privileged": True}}]
+    out = create("privileged-plain", containers=privileged)
+    assert "a privileged container sees every GPU of the node" in out, out
+    assert "ValidatingAdmissionPolicy 't-vramshare-hiding'" in out, out
+    for path in ("/dev", "//dev/nvidia0", "/run/nvidia/driver", "/"):
+        out = create("host-devices", volumes=[{"name": "d", "hostPath": {"path": path}}])
+        assert "a hostPath volume of the node's devices" in out, (path, out)
+    assert "created" in create("host-null", volumes=[{"name": "d", "hostPath": {"path": "/dev/null"}}])
+    assert "created" in create("host-data", volumes=[{"name": "d", "hostPath": {"path": "/data"}}])
+
+    out = create("privileged-gpu", annotations={"gpu-mem-mb": "1000"}, containers=privileged)
+    assert 'admission webhook "gpu-mem.vramshare.io" denied the request' in out, out
+    assert "containers[0] (base) securityContext.privileged: true" in out, out
+    booked = json.loads(stack.kubectl("get", "gpureservations", "-n", "jobs", "-o", "json"))["items"]
+    assert [r for r in booked if r["spec"]["podName"] == "privileged-gpu"] == []
+
+    out = stack.kubectl(
+        "debug", "pod/host-data", "-n", "jobs", "--image=example.invalid/busybox", "--profile=sysadmin",
+        check=False,
+    )  # fmt: skip
+    assert "a privileged container sees every GPU of the node" in out, out
+
+
 CERT_MANAGER = "github.com/cert-manager/cert-manager@v1.21.2"
 
 

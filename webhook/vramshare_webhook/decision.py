@@ -60,6 +60,7 @@ class Reason(StrEnum):
     MEMORY_RESOURCE_WITHOUT_REQUEST = "memory-resource-without-request"
     HELD_ELSEWHERE = "held-elsewhere"
     DEVICE_LIST_PATH = "device-list-path"
+    SEES_EVERY_GPU = "sees-every-gpu"
 
 
 @dataclass(frozen=True, kw_only=True)

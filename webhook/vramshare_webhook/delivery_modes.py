@@ -31,13 +31,14 @@ every pod vramshare patches.
 from __future__ import annotations
 
 import posixpath
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
 from vramshare.kube.resources import is_object_name
-from vramshare_webhook.patching import Obj, Operation, containers, pointer
+from vramshare_webhook.patching import CONTAINER_LISTS, Obj, Operation, containers, pointer
 
 DELIVERY_NAMESPACE_LABEL = "vramshare.io/delivery"
 CLAIM_NAMESPACE_LABEL = "vramshare.io/device-list-claim"
@@ -240,6 +241,32 @@ def unlisted_device_paths(pod: Obj) -> list[str]:
         and "nvidia-container-devices" in m["mountPath"]
         and not is_device_mount(m)
     ]
+
+
+# A hostPath volume that reaches the node's GPU devices or their driver's files: the root, /dev or under
+# it, or any path naming nvidia; /dev/null (volume-mounts mode's device-list volume) gives nothing. The
+# API server refuses hostPaths with "..", so a path cannot climb back into /dev. The chart's hiding
+# policy tests the same expression (keep the two alike).
+_EVERY_GPU_HOST_PATH = re.compile(r"^/+$|^/+dev(/.*)?$|nvidia")
+
+
+def sees_every_gpu(pod: Obj) -> list[str]:
+    """What in the pod would show its containers every GPU of the node, whatever NVIDIA_VISIBLE_DEVICES
+    says: a privileged container (the runtime gives it the node's /dev) and a hostPath volume of the
+    node's devices. Such a pod's booking would account for memory it does not confine itself to, so it
+    is refused before anything is booked (issue #42, 9), as the chart's hiding policy refuses it in
+    managed namespaces."""
+    found = [
+        f"{key}[{i}] ({c.get('name')}) securityContext.privileged: true"
+        for key, i, c in containers(pod, (*CONTAINER_LISTS, "ephemeralContainers"))
+        if isinstance(c.get("securityContext"), dict) and c["securityContext"].get("privileged") is True
+    ]
+    for i, volume in enumerate(pod.get("spec", {}).get("volumes") or []):
+        host_path = volume.get("hostPath") if isinstance(volume, dict) else None
+        path = host_path.get("path") if isinstance(host_path, dict) else None
+        if isinstance(path, str) and path != "/dev/null" and _EVERY_GPU_HOST_PATH.search(path):
+            found.append(f"volumes[{i}] ({volume.get('name')}) hostPath {path}")
+    return found
 
 
 def device_mounts(gpu_uuids: Sequence[str]) -> list[Obj]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import re
 from dataclasses import replace
 from typing import Any
 
@@ -415,3 +416,45 @@ def test_a_gpu_pod_the_policy_would_refuse_for_a_mount_is_refused_before_anythin
         assert "nvidia-container-devices" in review["response"]["status"]["message"]
         assert ledger.objects == []
         assert any(policy_refuses_mount(p, booked=()) and not p.startswith(DEVICE_LIST_ROOT) for p in paths)
+
+
+def policy_refuses_host_path(path: str) -> bool:
+    """The chart's hiding policy on one hostPath volume (its CEL `matches`, in Python)."""
+    return path != "/dev/null" and bool(re.search(r"^/+$|^/+dev(/.*)?$|nvidia", path))
+
+
+@given(
+    privileged=st.lists(st.sampled_from([None, False, True]), min_size=1, max_size=3),
+    host_paths=st.lists(
+        st.sampled_from(
+            ["/", "//", "/dev", "//dev/nvidia0", "/dev/shm", "/run/nvidia/driver", "/data", "/devices"]
+        ),
+        max_size=3,
+    ),
+)
+def test_a_gpu_pod_that_would_see_every_gpu_is_refused_before_anything_is_booked(
+    privileged: list[bool | None], host_paths: list[str]
+) -> None:
+    """Issue #42, 9: a privileged container or a hostPath of the node's devices shows the container every
+    GPU, whatever NVIDIA_VISIBLE_DEVICES says: such a GPU pod is refused (400, naming the field) with
+    nothing booked, exactly when the chart's hiding policy would refuse it."""
+    containers = [
+        {"name": f"c{i}", "image": "x", **({} if p is None else {"securityContext": {"privileged": p}})}
+        for i, p in enumerate(privileged)
+    ]
+    volumes = [{"name": f"h{i}", "hostPath": {"path": p}} for i, p in enumerate(host_paths)]
+    pod = {
+        "metadata": {"name": "task", "annotations": {"gpu-mem-mb": "4096"}},
+        "spec": {"volumes": volumes, "containers": containers},
+    }
+    ledger = MemoryLedger()
+    review = asyncio.run(admitter(ledger).review(replace(request(), object=pod)))
+    refused = any(p is True for p in privileged) or any(policy_refuses_host_path(p) for p in host_paths)
+    assert review["response"]["allowed"] is not refused
+    if refused:
+        status = review["response"]["status"]
+        assert status["code"] == 400
+        assert "privileged: true" in status["message"] or "hostPath" in status["message"]
+        assert ledger.objects == []
+    else:
+        assert len(ledger.objects) == 1

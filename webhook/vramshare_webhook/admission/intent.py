@@ -25,7 +25,13 @@ from vramshare.kube.pods import GUARDRAILS_ANNOTATION, GUARDRAILS_NAMESPACE_LABE
 from vramshare_webhook import review as rv
 from vramshare_webhook.admission.triage import GpuAsk
 from vramshare_webhook.decision import Invalid, Reason
-from vramshare_webhook.delivery_modes import DEVICE_LIST_ROOT, Delivery, delivery_for, unlisted_device_paths
+from vramshare_webhook.delivery_modes import (
+    DEVICE_LIST_ROOT,
+    Delivery,
+    delivery_for,
+    sees_every_gpu,
+    unlisted_device_paths,
+)
 from vramshare_webhook.pod import PodFacts
 from vramshare_webhook.settings import EXECUTOR_LABEL, RefusalStyle, WebhookSettings
 
@@ -93,6 +99,14 @@ def resolve_intent(
             message=f"{'; '.join(unlisted)}: a path naming nvidia-container-devices is a device-list request "
             f"to NVIDIA's runtime, and only vramshare makes those (under {DEVICE_LIST_ROOT}, for the GPUs it "
             "booked); mount the volume elsewhere",
+        )
+    every_gpu = sees_every_gpu(request.object)
+    if every_gpu:
+        return Invalid(
+            reason=Reason.SEES_EVERY_GPU,
+            message=f"{'; '.join(every_gpu)}: this shows the container every GPU of the node, not the one "
+            "vramshare books for it; a GPU pod runs unprivileged and without host paths to the node's "
+            "devices",
         )
     if facts.device_resources:
         return Invalid(
