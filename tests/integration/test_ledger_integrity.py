@@ -268,7 +268,8 @@ def test_pods_rejected_after_vramshare_leave_no_booking_counted_after_30_s(
         ),
         "pod-security-restricted": (
             restricted,
-            gpu_pod("privileged", 1024, security=client.V1SecurityContext(privileged=True)),
+            # Not privileged: the webhook refuses a privileged GPU pod itself, before booking (issue #42).
+            gpu_pod("escalating", 1024, security=client.V1SecurityContext(allow_privilege_escalation=True)),
             403,
             "violates PodSecurity",
         ),

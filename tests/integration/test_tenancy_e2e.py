@@ -29,6 +29,7 @@ from vramshare.kube.resources import MEMORY_RESOURCE
 from vramshare_e2e.admission_parts import start_endpoints
 from vramshare_e2e.cluster import RUN_DURATION_ANNOTATION, LocalCluster
 from vramshare_e2e.components import (
+    metric,
     start_controller,
     start_webhook,
     wait_for_gpu_devices,
@@ -50,6 +51,9 @@ ENV = {
     "VRAMSHARE_MAX_PENDING_MIB_PER_NAMESPACE": "80000",
 }
 NAMESPACES = (*QUOTAS, "steady", "mallory", "mallory-restricted", "trudy")
+NEVER_CREATED_KEPT = 20
+CONTROLLER: dict[str, int] = {}
+"""The controller's metrics port."""
 
 
 @pytest.fixture(scope="module")
@@ -90,11 +94,16 @@ def stack() -> Iterator[LocalCluster]:
             )
         ]
         local.apply_objects([*quotas, *bindings])
-        start_controller(
+        CONTROLLER["port"] = start_controller(
             local,
             name="controller",
-            env={**ENV, "VRAMSHARE_POLL_INTERVAL_S": "1", "VRAMSHARE_LIFECYCLE_INTERVAL_S": "1"},
-        )
+            env={
+                **ENV,
+                "VRAMSHARE_POLL_INTERVAL_S": "1",
+                "VRAMSHARE_LIFECYCLE_INTERVAL_S": "1",
+                "VRAMSHARE_NEVER_CREATED_KEPT_PER_NAMESPACE": str(NEVER_CREATED_KEPT),
+            },
+        )[1]
         wait_for_gpu_devices(local)
         nodes = {n.name: sum(g.total_mib for g in n.gpus) for n in local.settings.fleet.nodes}
         eventually(
@@ -124,7 +133,7 @@ def gpu_pod(
     mib: int,
     *,
     run: str | None = None,
-    privileged: bool = False,
+    escalating: bool = False,
     labels: dict[str, str] | None = None,
 ) -> client.V1Pod:
     annotations = {"gpu-mem-mb": str(mib)}
@@ -137,7 +146,9 @@ def gpu_pod(
                 client.V1Container(
                     name="base",
                     image="example.invalid/task",
-                    security_context=client.V1SecurityContext(privileged=True) if privileged else None,
+                    security_context=client.V1SecurityContext(allow_privilege_escalation=True)
+                    if escalating
+                    else None,
                 )
             ],
             restart_policy="Never",
@@ -314,7 +325,7 @@ def test_attacks_cost_another_namespace_nothing(stack: LocalCluster) -> None:
         # Pods Pod Security refuses after vramshare admitted them.
         Loop(
             "pod-security",
-            lambda i: ("mallory-restricted", gpu_pod(f"priv-{i}", 12_000, privileged=True)),
+            lambda i: ("mallory-restricted", gpu_pod(f"priv-{i}", 12_000, escalating=True)),
             core=mallory,
             pause_s=0.1,
         ),
@@ -367,3 +378,49 @@ def test_attacks_cost_another_namespace_nothing(stack: LocalCluster) -> None:
     assert peak["holds"] == 0  # never retried: no hold
     assert baseline.admitted_ratio() == 1.0, baseline.outcomes
     assert attacked.admitted_ratio() >= baseline.admitted_ratio(), attacked.outcomes
+
+
+def test_a_loop_of_creates_refused_after_admission_leaves_a_bounded_number_of_records(
+    stack: LocalCluster,
+) -> None:
+    """Issue #42, 7: Pod Security refuses each of a tenant's GPU pods after vramshare admitted it, in a
+    loop, half of them queue mode. Each leaves a booking or a queue entry whose pod never appears: both
+    count against the namespace's pending bound while they wait, and once expired at most
+    `never_created_kept_per_namespace` records stay. The controller's memory is measured meanwhile."""
+    mallory = api_as(stack, "mallory")
+    port = CONTROLLER["port"]
+    rss_before = metric(port, "process_resident_memory_bytes") or 0.0
+    refused_after_admission = 0
+    started = time.monotonic()
+    i = 0
+    while time.monotonic() - started < 40:
+        i += 1
+        pod = gpu_pod(f"loop-{i}", 100, escalating=True)
+        if i % 2:
+            pod.metadata.annotations["gpu-queue"] = "true"
+        try:
+            mallory.create_namespaced_pod("mallory-restricted", pod)
+        except ApiException as exc:
+            refused_after_admission += exc.status == 403 and "violates PodSecurity" in str(exc.body)
+    peak = len(reservations(stack, "mallory-restricted"))
+    rss_peak = metric(port, "process_resident_memory_bytes") or 0.0
+
+    def settled() -> int | None:
+        # Every record expired (TTL 20 s) and trimmed by the 1 s sweeps.
+        items = reservations(stack, "mallory-restricted")
+        open_ = [r for r in items if (r.get("status") or {}).get("phase") not in ("Expired", "Released")]
+        return None if open_ or len(items) > NEVER_CREATED_KEPT else len(items) or -1
+
+    left = eventually(settled, what="the records trimmed to the bound", timeout_s=60)
+    trimmed = metric(port, "vramshare_never_created_records_trimmed_total") or 0.0
+    rss_after = metric(port, "process_resident_memory_bytes") or 0.0
+    print(
+        f"\n[perimeter] {i} creates in 40 s, {refused_after_admission} refused by Pod Security after "
+        f"admission (each a record: {refused_after_admission} with a retention of 3600 s before); at most "
+        f"{peak} records at once, {max(left, 0)} left once expired (bound {NEVER_CREATED_KEPT}), "
+        f"{trimmed:.0f} trimmed; controller RSS {rss_before / 2**20:.0f} -> {rss_peak / 2**20:.0f} -> "
+        f"{rss_after / 2**20:.0f} MiB"
+    )
+    assert refused_after_admission > NEVER_CREATED_KEPT * 2
+    assert 0 < max(left, 0) <= NEVER_CREATED_KEPT
+    assert trimmed >= refused_after_admission - NEVER_CREATED_KEPT - 5  # a few may have been deleted by TTL

@@ -81,6 +81,12 @@ class ControllerMetrics:
             "Pods seen carrying a reservation's label without being its pod (ignored, with an event).",
             registry=self.registry,
         )
+        self.never_created_trimmed = Counter(
+            "vramshare_never_created_records_trimmed",
+            "Records of bookings whose pod never appeared, deleted beyond never_created_kept_per_namespace "
+            "in their namespace (a loop of creates refused after admission).",
+            registry=self.registry,
+        )
         self.overbooked_by_late_pods = Counter(
             "vramshare_overbooked_by_late_pods",
             "Pods that appeared after their booking expired onto a GPU booked past its size since.",

@@ -78,6 +78,13 @@ class ControllerSettings:
     reservation TTL."""
     retention_s: float = 3600.0
     """Released, Expired and Lost reservations are deleted this long after they ended."""
+    never_created_retention_s: float = 300.0
+    """Bookings whose pod never appeared (Expired, PodNeverCreated) are deleted this long after they
+    ended, sooner than retention_s: their event on the GpuReservation says why, and a loop of creates
+    refused after admission makes one every time."""
+    never_created_kept_per_namespace: int = 50
+    """At most this many of those are kept per namespace, the newest; older ones are deleted at the next
+    sweep, so no tenant can fill the API server (and the controller's memory) with them."""
     lifecycle_interval_s: float = 10.0
     """How often every reservation is checked (pod events act at once; this catches the rest)."""
     unschedulable_warning_s: float = 60.0
@@ -229,6 +236,12 @@ class ControllerSettings:
                 "bind_wait_s",
                 self.bind_wait_s,
                 f"0 or more seconds, below reservation_ttl_s ({self.reservation_ttl_s:g})",
+            )
+        if self.never_created_retention_s < 0:
+            raise invalid("never_created_retention_s", self.never_created_retention_s, "0 or more seconds")
+        if self.never_created_kept_per_namespace < 0:
+            raise invalid(
+                "never_created_kept_per_namespace", self.never_created_kept_per_namespace, "0 or more"
             )
         if self.queue_positions_shown < 1:
             raise invalid("queue_positions_shown", self.queue_positions_shown, "a whole number of 1 or more")

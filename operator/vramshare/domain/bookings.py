@@ -15,8 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from vramshare.domain.headroom import headroom_mib
-from vramshare.domain.models import Gpu, Reservation, ReservationPhase
-from vramshare.domain.tenancy import Holding, Holdings, creator_of, holding_of
+from vramshare.domain.models import Gpu, Reservation
+from vramshare.domain.tenancy import Holding, Holdings, awaits_its_pod, creator_of, holding_of
 
 
 @dataclass(slots=True)
@@ -35,7 +35,8 @@ class LedgerIndex:
         self._members: dict[str, Reservation] = {}
         self._sums: dict[str, _GpuSums] = {}
         self._pending: dict[str, int] = {}
-        """Namespace -> bookings still Reserved: made at admission, their pod not seen yet."""
+        """Namespace -> bookings and queue entries made at admission whose pod is not seen yet
+        (`awaits_its_pod`)."""
         self._holds: dict[str, dict[str, Reservation]] = {}
         """Held-for key -> the holds kept for it, by reservation key."""
         self._open: dict[str, Reservation] = {}
@@ -70,13 +71,17 @@ class LedgerIndex:
             sums.not_started_mib += reservation.mib
         else:
             sums.recent[key] = (reservation.pod_running_since, reservation.mib)
-        if reservation.phase is ReservationPhase.RESERVED:
-            self._pending[reservation.namespace] = self._pending.get(reservation.namespace, 0) + 1
         if reservation.held_for:
             self._holds.setdefault(reservation.held_for, {})[key] = reservation
 
     def _account(self, reservation: Reservation, *, sign: int) -> None:
         namespace = reservation.namespace
+        if awaits_its_pod(reservation):
+            waiting = self._pending.get(namespace, 0) + sign
+            if waiting:
+                self._pending[namespace] = waiting
+            else:
+                self._pending.pop(namespace, None)
         held = self._holdings.get(namespace, Holdings()).with_(reservation, sign=sign)
         if held == Holdings():
             self._holdings.pop(namespace, None)
@@ -109,12 +114,6 @@ class LedgerIndex:
             sums.not_started_mib -= old.mib
         else:
             sums.recent.pop(key, None)
-        if old.phase is ReservationPhase.RESERVED:
-            left = self._pending[old.namespace] - 1
-            if left:
-                self._pending[old.namespace] = left
-            else:
-                del self._pending[old.namespace]
         if old.held_for:
             holds = self._holds[old.held_for]
             del holds[key]
@@ -178,7 +177,7 @@ class LedgerIndex:
         return sums.reserved_mib, unseen
 
     def pending_in(self, namespace: str) -> int:
-        """How many bookings in `namespace` wait for their pod (phase Reserved)."""
+        """How many bookings and queue entries in `namespace` wait for their pod (`awaits_its_pod`)."""
         return self._pending.get(namespace, 0)
 
     def holdings(self, namespace: str) -> Holdings:

@@ -137,6 +137,29 @@ def due_for_cleanup(
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class EndedRecord:
+    """A reservation kept after it ended, as far as its cleanup is concerned."""
+
+    namespace: str
+    name: str
+    finished_at: float
+
+
+def records_past_bound(records: Iterable[EndedRecord], *, keep_per_namespace: int) -> list[EndedRecord]:
+    """The records beyond the newest `keep_per_namespace` of each namespace, oldest first: what a tenant
+    can leave behind is bounded by that many per namespace, however fast it makes them (issue #42, 7:
+    bookings whose pod never appeared, each kept for people to read why)."""
+    by_namespace: dict[str, list[EndedRecord]] = {}
+    for record in records:
+        by_namespace.setdefault(record.namespace, []).append(record)
+    excess: list[EndedRecord] = []
+    for kept in by_namespace.values():
+        kept.sort(key=lambda r: (r.finished_at, r.name), reverse=True)
+        excess.extend(kept[max(keep_per_namespace, 0) :])
+    return sorted(excess, key=lambda r: (r.finished_at, r.namespace, r.name))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class PodSighting:
     """A pod that carries a reservation's label, as the controller sees it."""
 

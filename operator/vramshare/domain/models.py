@@ -130,6 +130,8 @@ class Reservation:
     queue_entry: bool = False
     """Made for a pod that waited in the queue: its pod exists (behind a gate) from the start, so it is
     never pending (see `vramshare.domain.tenancy`)."""
+    pod_seen: bool = False
+    """The controller has seen its pod (and recorded it in the reservation's status)."""
 
     @property
     def is_active(self) -> bool:

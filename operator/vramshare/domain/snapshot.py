@@ -10,8 +10,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from vramshare.domain.bookings import LedgerIndex
-from vramshare.domain.models import Gpu, Reservation, ReservationPhase
-from vramshare.domain.tenancy import Holding, Holdings, holding_of, holdings_of, pending_of_user
+from vramshare.domain.models import Gpu, Reservation
+from vramshare.domain.tenancy import (
+    Holding,
+    Holdings,
+    awaits_its_pod,
+    holding_of,
+    holdings_of,
+    pending_of_user,
+)
 
 
 class CommitConflictError(Exception):
@@ -38,9 +45,7 @@ class Snapshot:
         """Bookings in `namespace` whose pod has not appeared yet."""
         if self.index is not None:
             return self.index.pending_in(namespace)
-        return sum(
-            1 for r in self.reservations if r.namespace == namespace and r.phase is ReservationPhase.RESERVED
-        )
+        return sum(1 for r in self.reservations if r.namespace == namespace and awaits_its_pod(r))
 
     def holds_for(self, task_key: str) -> list[Reservation]:
         """The memory held for that task (by an earlier refusal of it)."""

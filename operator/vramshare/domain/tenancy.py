@@ -43,6 +43,16 @@ class Holding(StrEnum):
     QUEUED = "queued"
 
 
+def awaits_its_pod(reservation: Reservation) -> bool:
+    """Counted against a namespace's pending bound (`max_pending_per_namespace`): a booking made at
+    admission whose pod has not appeared yet, and a queue entry made at admission whose pod has not been
+    seen either (it books nothing, but a loop of creates refused after admission would otherwise leave
+    any number of them, issue #42, 7)."""
+    if reservation.phase is ReservationPhase.RESERVED:
+        return True
+    return reservation.phase is ReservationPhase.QUEUED and not reservation.pod_seen
+
+
 def holding_of(reservation: Reservation) -> Holding | None:
     """How `reservation` counts for its namespace; None once it ended."""
     phase = reservation.phase

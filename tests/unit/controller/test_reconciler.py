@@ -354,3 +354,33 @@ async def test_a_pod_deleted_before_its_booking_was_bound_releases_it() -> None:
             await asyncio.sleep(0.01)
         assert PATH not in kube.objects
         assert not [e for e in events(kube) if e["reason"] == "PodNeverCreated"]
+
+
+async def test_records_of_pods_that_never_appeared_are_kept_only_up_to_the_bound_per_namespace() -> None:
+    """Issue #42, 7: a loop of creates refused after admission leaves one Expired record each; the sweep
+    keeps the newest `never_created_kept_per_namespace` of a namespace and deletes the rest."""
+    clock = [NOW]
+    kube = FakeKube(clock=lambda: clock[0])
+    for i in range(7):
+        booking = GpuReservation.new(
+            name=f"ghost-{i}", namespace="jobs", pod=f"ghost-{i}", mib=100, gpu=GPU, admission_uid=f"u{i}"
+        )
+        made = await kube.create(reservations_path("jobs"), booking.to_wire())
+        ended = {"phase": "Expired", "reason": "PodNeverCreated", "finishedAt": format_time(NOW - 100 + i)}
+        await kube.merge_patch(
+            f"{reservations_path('jobs', f'ghost-{i}')}/status",
+            {"metadata": {"resourceVersion": made["metadata"]["resourceVersion"]}, "status": ended},
+        )
+    async with fed_state(kube) as state:
+        reconciler = ReservationReconciler(
+            kube=kube,  # type: ignore[arg-type]
+            settings=ControllerSettings(identity="test", never_created_kept_per_namespace=3),
+            metrics=ControllerMetrics(),
+            state=state,
+            clock=lambda: clock[0],
+        )
+        await fed()
+        await reconciler.sweep(presence=PRESENT)
+        left = sorted(p.rsplit("/", 1)[1] for p in kube.objects if "/gpureservations/" in p)
+        assert left == ["ghost-4", "ghost-5", "ghost-6"]  # the newest three
+        assert reconciler.metrics.never_created_trimmed._value.get() == 4

@@ -354,3 +354,25 @@ def test_a_deleted_reserved_booking_records_its_pod() -> None:
 def test_a_deleted_object_without_the_finalizer_is_left_to_go() -> None:
     p = make(obj("Released", podUID="uid-1", deleted=True, finalizers=()), None)
     assert p.empty
+
+
+def test_a_booking_whose_pod_never_appeared_goes_after_its_own_shorter_retention() -> None:
+    """Issue #42, 7: its record is kept `never_created_retention_s`, other ended ones `retention_s`."""
+
+    def deleted(reason: str, ended_ago: float) -> bool:
+        o = obj("Expired", finalizers=(), reason=reason, finishedAt=format_time(NOW - ended_ago))
+        res = GpuReservation.from_wire(o)
+        return plan(
+            res=res,
+            pod=None,
+            gpu_missing=False,
+            now=NOW,
+            ttl_s=20,
+            retention_s=600,
+            never_created_retention_s=60,
+        ).delete
+
+    assert not deleted("PodNeverCreated", 59)
+    assert deleted("PodNeverCreated", 61)
+    assert not deleted("HoldLapsed", 61)
+    assert deleted("HoldLapsed", 601)

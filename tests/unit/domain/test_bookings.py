@@ -111,3 +111,20 @@ def test_pending_bookings_are_counted_per_namespace_as_they_come_and_go() -> Non
     index.put("b", None)  # expired and gone
     assert index.pending_in("airflow") == 0
     assert index.pending_in("other") == 0
+
+
+def test_queue_entries_count_against_the_pending_bound_until_their_pod_is_seen() -> None:
+    """Issue #42, 7: a queue entry books nothing, but one whose pod never appears is a record a loop of
+    refused creates would otherwise leave without bound."""
+    index = LedgerIndex()
+    index.put("q1", builders.reservation(100, name="q1", phase=ReservationPhase.QUEUED))
+    index.put("q2", builders.reservation(100, name="q2", phase=ReservationPhase.QUEUED))
+    index.put("r", builders.reservation(100, name="r", phase=ReservationPhase.RESERVED))
+    assert index.pending_in("airflow") == 3
+    index.put(
+        "q1", replace(builders.reservation(100, name="q1", phase=ReservationPhase.QUEUED), pod_seen=True)
+    )
+    assert index.pending_in("airflow") == 2
+    index.put("q2", builders.reservation(100, name="q2", phase=ReservationPhase.EXPIRED))  # never came
+    index.put("r", None)
+    assert index.pending_in("airflow") == 0

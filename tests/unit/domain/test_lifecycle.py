@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from tests.unit.domain.builders import reservation
 from vramshare.domain import PodSighting, PodState, ReservationPhase, due_for_cleanup, genuine_pod, next_phase
+from vramshare.domain.lifecycle import EndedRecord, records_past_bound
 
 R, B, L, E = (
     ReservationPhase.RESERVED,
@@ -222,3 +225,27 @@ def test_a_reserved_booking_whose_pod_was_seen_and_is_gone_is_released_not_expir
         phase=ReservationPhase.RESERVED, pod=PodState.ABSENT, gpu_missing=False, age_s=1, ttl_s=20
     )
     assert never is None
+
+
+@given(
+    records=st.lists(
+        st.tuples(st.sampled_from(["a", "b", "c"]), st.floats(min_value=0, max_value=1000)),
+        max_size=40,
+    ),
+    keep=st.integers(min_value=0, max_value=10),
+)
+def test_ended_records_past_the_bound_are_the_oldest_of_each_namespace(
+    records: list[tuple[str, float]], keep: int
+) -> None:
+    """Issue #42, 7: after the excess goes, each namespace keeps min(its records, keep), its newest."""
+    made = [EndedRecord(namespace=ns, name=f"r{i}", finished_at=at) for i, (ns, at) in enumerate(records)]
+    excess = records_past_bound(made, keep_per_namespace=keep)
+    left = [r for r in made if r not in excess]
+    for ns in {r.namespace for r in made}:
+        mine = [r for r in made if r.namespace == ns]
+        kept = [r for r in left if r.namespace == ns]
+        assert len(kept) == min(len(mine), keep)
+        gone = [r for r in excess if r.namespace == ns]
+        if kept and gone:
+            assert min(r.finished_at for r in kept) >= max(r.finished_at for r in gone)
+    assert excess == sorted(excess, key=lambda r: (r.finished_at, r.namespace, r.name))

@@ -90,12 +90,14 @@ def plan(
     now: float,
     ttl_s: float,
     retention_s: float,
+    never_created_retention_s: float | None = None,
     hold_limit_s: float = float("inf"),
     bind_wait_s: float = 0.0,
     pod_deleted: bool = False,
 ) -> Plan:
     """What to write for `res` now. `pod_deleted`: its pod's deletion was just seen (it may have gone
-    before its booking was bound: see `bind_wait_s`)."""
+    before its booking was bound: see `bind_wait_s`). A booking whose pod never appeared is kept
+    `never_created_retention_s` (default: `retention_s`)."""
     current = res.status
     seen = bool(current.pod_uid) or pod_deleted
     status = current
@@ -140,10 +142,14 @@ def plan(
     pod_gone = pod is None and seen
     if not active_after and (transition is None or pod_gone):
         finished = current.finished_at if current.finished_at is not None else (res.meta.created_at or 0.0)
+        reason = transition.reason if transition is not None else current.reason
+        kept_s = retention_s
+        if reason == "PodNeverCreated" and never_created_retention_s is not None:
+            kept_s = never_created_retention_s
         delete = due_for_cleanup(
             phase=transition.phase if transition is not None else res.phase,
             finished_age_s=now - finished,
-            retention_s=retention_s,
+            retention_s=kept_s,
             pod_gone=pod_gone,
         )
     label = None

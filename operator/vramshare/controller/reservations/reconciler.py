@@ -30,7 +30,7 @@ from vramshare.domain import (
 )
 from vramshare.domain.headroom import booked_past_capacity
 from vramshare.domain.inventory import GpuPresence
-from vramshare.domain.lifecycle import belongs, stuck_unschedulable
+from vramshare.domain.lifecycle import EndedRecord, belongs, records_past_bound, stuck_unschedulable
 from vramshare.kube.client import ApiError, KubeClient, Obj
 from vramshare.kube.conditional import read_reservation
 from vramshare.kube.events import Event, Involved, post_event
@@ -102,6 +102,8 @@ class ReservationReconciler:
             labelled = by_reservation.get((res.namespace, res.pod_label), [])
             if await self.reconcile(res, labelled, presence=presence, confirm_absence=True):
                 changed += 1
+        # From the caches as the loop above left them (its writes are in them), not from `current`.
+        await self._trim_never_created(list(self.state.reservations.items.values()))
         keys = {r.key for r in current}
         # Said-once notes of reservations that no longer exist are forgotten.
         self._announced = {note for note in self._announced if note[0] in keys}
@@ -111,6 +113,31 @@ class ReservationReconciler:
                 del self._stuck[key]
             self.metrics.unschedulable_pods.set(len(set(self._stuck.values())))
         return changed
+
+    async def _trim_never_created(self, current: list[GpuReservation]) -> None:
+        """Delete the records of bookings whose pod never appeared beyond the newest
+        `never_created_kept_per_namespace` of each namespace (issue #42, 7)."""
+        records = {
+            (r.namespace, r.name): r
+            for r in current
+            if r.phase is ReservationPhase.EXPIRED and r.status.reason == "PodNeverCreated"
+        }
+        excess = records_past_bound(
+            (
+                EndedRecord(namespace=r.namespace, name=r.name, finished_at=r.status.finished_at or 0.0)
+                for r in records.values()
+            ),
+            keep_per_namespace=self.settings.never_created_kept_per_namespace,
+        )
+        deleted = 0
+        for record in excess:
+            # As any cleanup: its finalizer off, then deleted, each on the version judged (a record that
+            # changed meanwhile is left to the next sweep).
+            res = records[(record.namespace, record.name)]
+            deleted += await self._apply(res, pod=None, the_plan=Plan(delete=True), now=self.clock())
+        if deleted:
+            self.metrics.never_created_trimmed.inc(deleted)
+            log.info("records of pods that never appeared trimmed", deleted=deleted)
 
     async def pod_changed(self, pod: Obj, *, deleted: bool, presence: GpuPresence) -> None:
         """React to one pod event at once, instead of waiting for the next sweep."""
@@ -234,6 +261,7 @@ class ReservationReconciler:
             now=now,
             ttl_s=self.settings.reservation_ttl_s,
             retention_s=self.settings.retention_s,
+            never_created_retention_s=self.settings.never_created_retention_s,
             hold_limit_s=self.settings.hold_limit_s,
             bind_wait_s=self.settings.bind_wait_s,
             pod_deleted=pod_deleted,

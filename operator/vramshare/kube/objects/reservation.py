@@ -303,4 +303,5 @@ class GpuReservation:
             user=self.spec.admitted_user,
             queue_entry=self.queue_entry,
             pod_label=self.pod_label,
+            pod_seen=bool(self.status.pod_uid),
         )
