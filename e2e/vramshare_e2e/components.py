@@ -7,6 +7,7 @@ import base64
 import json
 import os
 import ssl
+import subprocess
 import sys
 import time
 import urllib.request
@@ -210,6 +211,56 @@ def hide_gpus_policy(
             "spec": {"policyName": name, "matchResources": {"namespaceSelector": namespace_selector}},
         },
     ]
+
+
+CHART_POLICIES = (
+    "templates/validating-admission-policy.yaml",
+    "templates/hide-gpus-policy.yaml",
+)
+RELEASE = "vramshare"
+CONTROLLER_ACCOUNT = f"{RELEASE}-controller"
+"""The controller's ServiceAccount as the chart names it for the release `vramshare`."""
+
+
+def chart_admission_policies(
+    cluster: LocalCluster, *, namespace: str = CONTROLLER_NAMESPACE
+) -> list[dict[str, Any]]:
+    """The chart's own admission policies (pinning, hiding, in-process hiding), rendered by `helm template`
+    as `helm install vramshare -n <namespace>` renders them, so a local cluster is protected as an
+    installed one is (issue #42)."""
+    argv = [str(cluster.bin_dir / "helm"), "template", RELEASE, str(ROOT / "charts" / "vramshare")]
+    argv += ["--namespace", namespace, "--set", "webhook.hideGpus.inProcess=always"]
+    for template in CHART_POLICIES:
+        argv += ["--show-only", template]
+    rendered = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
+    return [doc for doc in yaml.safe_load_all(rendered) if doc]
+
+
+def controller_identity(cluster: LocalCluster, *, namespace: str = CONTROLLER_NAMESPACE) -> Path:
+    """A kubeconfig with a token of the controller's ServiceAccount as the chart names it, the identity
+    the chart's pinning policy lets place queued pods. Bound to cluster-admin here: the chart's own
+    least-privilege roles are tested with the chart (tests/integration/test_chart_install.py)."""
+    cluster.apply_objects(
+        [
+            {
+                "apiVersion": "v1",
+                "kind": "ServiceAccount",
+                "metadata": {"name": CONTROLLER_ACCOUNT, "namespace": namespace},
+            },
+            {
+                "apiVersion": "rbac.authorization.k8s.io/v1",
+                "kind": "ClusterRoleBinding",
+                "metadata": {"name": f"{CONTROLLER_ACCOUNT}-local"},
+                "roleRef": {
+                    "apiGroup": "rbac.authorization.k8s.io",
+                    "kind": "ClusterRole",
+                    "name": "cluster-admin",
+                },
+                "subjects": [{"kind": "ServiceAccount", "name": CONTROLLER_ACCOUNT, "namespace": namespace}],
+            },
+        ]
+    )
+    return cluster.service_account_kubeconfig(namespace, CONTROLLER_ACCOUNT)
 
 
 def seed_inventory(

@@ -31,7 +31,13 @@ from kubernetes.client.exceptions import ApiException
 from vramshare import status as status_view
 from vramshare.kube.resources import ANNOTATION_GPU_UUID, ANNOTATION_NODE, ANNOTATION_RESERVATION
 from vramshare_e2e.cluster import RUN_DURATION_ANNOTATION, ClusterSettings, LocalCluster
-from vramshare_e2e.components import start_controller, start_webhook, webhook_configuration
+from vramshare_e2e.components import (
+    chart_admission_policies,
+    controller_identity,
+    start_controller,
+    start_webhook,
+    webhook_configuration,
+)
 from vramshare_e2e.process import eventually
 
 NAMESPACE = "airflow"
@@ -53,6 +59,8 @@ class Outcome:
     retry_admitted: dict[str, str] | None = None
     retry_attempts: int = 0
     hidden_pod_env: str | None = None
+    tamper_refusal: str | None = None
+    """What the chart's pinning policy answered a change of an admitted pod's GPU."""
     released: list[str] = field(default_factory=list)
     queued: dict[str, Any] = field(default_factory=dict)
     """The queue-mode task: gated (bool), position, and where it was placed (gpu, waited_s)."""
@@ -207,6 +215,17 @@ class Demo:
             f"{no_gpu.name}: NVIDIA_VISIBLE_DEVICES={outcome.hidden_pod_env} (CUDA images default to 'all')"
         )
 
+        self.show("\n-- A tenant tries to point a running task at every GPU of its node --")
+        target = first_wave[0].name
+        try:
+            self.core.patch_namespaced_pod(
+                target, NAMESPACE, {"metadata": {"annotations": {"vramshare.io/gpu-uuid": "all"}}}
+            )
+            raise RuntimeError(f"{target}'s GPU was changed after admission")
+        except ApiException as exc:
+            outcome.tamper_refusal = json.loads(str(exc.body))["message"]
+            self.show(f"refused by the chart's policy (HTTP {exc.status}):\n  {outcome.tamper_refusal}")
+
         self.show(
             "\n-- Tasks finish and release their memory;"
             " Airflow retries the refused task after its retry_delay --"
@@ -325,15 +344,13 @@ def start_vramshare(cluster: LocalCluster) -> None:
     webhook_env, controller_env = demo_env()
     port = start_webhook(cluster, name="webhook", env=webhook_env)[1]
     cluster.apply_objects([webhook_configuration(cluster, ports={SHARD: port})])
-    start_controller(cluster, name="controller", env=controller_env)
+    # Protected as an installed cluster is: the chart's own admission policies, and the controller
+    # running as the ServiceAccount they let place queued pods.
+    cluster.apply_objects(chart_admission_policies(cluster))
+    start_controller(cluster, name="controller", env=controller_env, kubeconfig=controller_identity(cluster))
+    managed = {"vramshare-e2e/shard": SHARD, "vramshare.io/managed": "true"}
     cluster.apply_objects(
-        [
-            {
-                "apiVersion": "v1",
-                "kind": "Namespace",
-                "metadata": {"name": NAMESPACE, "labels": {"vramshare-e2e/shard": SHARD}},
-            }
-        ]
+        [{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE, "labels": managed}}]
     )
 
 
@@ -359,6 +376,8 @@ def run_demo(*, fast: bool, keep: bool, show: Callable[[str], None] = print) -> 
                 f"  export KUBECONFIG={cluster.kubeconfig}\n"
                 f"  {cluster.bin_dir / 'kubectl'} get gpudevices,gpures -A\n"
                 f"  .venv/bin/vramshare status\n"
+                f"  {cluster.bin_dir / 'kubectl'} get validatingadmissionpolicies,mutatingadmissionpolicies"
+                "   # the chart's own\n"
                 "Ctrl-C stops everything."
             )
             wait_for_signal()

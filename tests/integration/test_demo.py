@@ -44,6 +44,10 @@ def test_demo_scenario() -> None:
     assert outcome.queued["gpu"] in a100s
 
     assert outcome.hidden_pod_env == "void"
+    # The demo's cluster applies the chart's own policies: an admitted pod's GPU cannot be changed.
+    assert outcome.tamper_refusal is not None
+    assert "ValidatingAdmissionPolicy 'vramshare-pinning'" in outcome.tamper_refusal
+    assert "cannot be added, changed or removed afterwards" in outcome.tamper_refusal
     assert outcome.final is not None
     phases = {r.pod: r.phase for r in outcome.final.reservations}
     for name in ("train-resnet", "embed-docs", "infer-batch-1", "infer-batch-2", "infer-batch-3"):
