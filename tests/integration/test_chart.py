@@ -300,19 +300,30 @@ def test_optional_objects_and_pdb() -> None:
     assert '"title": "vramshare"' in dashboard["data"]["vramshare.json"]
     single = render("--set", "webhook.replicas=1")
     assert "PodDisruptionBudget" not in {d["kind"] for d in single}
-    # The webhook port: open by default, or only to the API server's addresses (and Prometheus).
-    (ingress,) = find(docs, "NetworkPolicy", "-webhook")["spec"]["ingress"]
-    assert "from" not in ingress
-    limited = render(
+    # The webhook port: open by default, or only to the API server's addresses; metrics on a port of
+    # their own, which Prometheus reaches without reaching /mutate (issue #42, 2).
+    mutate, metrics = find(docs, "NetworkPolicy", "-webhook")["spec"]["ingress"]
+    assert "from" not in mutate
+    assert metrics["ports"] == [{"port": 8081, "protocol": "TCP"}]
+    limit = [
         "--set",
         "networkPolicy.enabled=true",
         "--set",
         "networkPolicy.webhookFrom[0].ipBlock.cidr=172.16.0.0/28",
         "--set",
         "networkPolicy.prometheusSelector.app=prometheus",
-    )
-    (ingress,) = find(limited, "NetworkPolicy", "-webhook")["spec"]["ingress"]
-    assert ingress["from"] == [
+    ]
+    mutate, metrics = find(render(*limit), "NetworkPolicy", "-webhook")["spec"]["ingress"]
+    assert mutate == {
+        "ports": [{"port": 8443, "protocol": "TCP"}],
+        "from": [{"ipBlock": {"cidr": "172.16.0.0/28"}}],
+    }
+    assert metrics["from"] == [{"namespaceSelector": {}, "podSelector": {"app": "prometheus"}}]
+    # With metrics on the HTTPS port (metricsPort 0), Prometheus must reach that port: the old way.
+    (shared,) = find(render(*limit, "--set", "webhook.metricsPort=0"), "NetworkPolicy", "-webhook")["spec"][
+        "ingress"
+    ]
+    assert shared["from"] == [
         {"ipBlock": {"cidr": "172.16.0.0/28"}},
         {"namespaceSelector": {}, "podSelector": {"app": "prometheus"}},
     ]
@@ -409,10 +420,14 @@ def test_names_security_context_port_and_host_network_are_values() -> None:
     assert "runAsUser" not in container["securityContext"]
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
     assert (pod["hostNetwork"], pod["dnsPolicy"]) == (True, "ClusterFirstWithHostNet")
-    assert container["ports"] == [{"name": "https", "containerPort": 10250}]
+    assert container["ports"] == [
+        {"name": "https", "containerPort": 10250},
+        {"name": "metrics", "containerPort": 8081},
+    ]
     assert env(webhook)["VRAMSHARE_PORT"] == "10250"
-    (ingress,) = find(docs, "NetworkPolicy", "gpu-webhook")["spec"]["ingress"]
+    ingress, metrics = find(docs, "NetworkPolicy", "gpu-webhook")["spec"]["ingress"]
     assert ingress["ports"] == [{"port": 10250, "protocol": "TCP"}]
+    assert metrics["ports"] == [{"port": 8081, "protocol": "TCP"}]
     assert find(docs, "Service", "gpu-webhook")["spec"]["ports"][0]["targetPort"] == "https"
     plain = find(render(), "Deployment", "-webhook")["spec"]["template"]["spec"]
     assert "hostNetwork" not in plain

@@ -380,6 +380,8 @@ def test_helm_test_runs_its_pod_and_every_webhook_endpoint_answers(stack: Stack)
             f"the vramshare webhook at {address}:8443 refused a review without the API server's client "
             "certificate (403)" in out
         ), out
+        # Metrics on their own port: what Prometheus may reach takes no review.
+        assert f"the vramshare webhook at {address}:8081 serves /metrics and no /mutate" in out, out
     assert f"all 2 endpoints of {WEBHOOK} answered" in out
 
 

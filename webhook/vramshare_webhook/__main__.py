@@ -26,7 +26,7 @@ from vramshare.kube.resources import LABEL_RESERVATION
 from vramshare.kube.watch import WatchCache
 from vramshare.settings import SettingsError
 from vramshare_webhook.admission import Admitter, ClusterView
-from vramshare_webhook.app import create_app
+from vramshare_webhook.app import create_app, create_metrics_app
 from vramshare_webhook.metrics import WebhookMetrics
 from vramshare_webhook.settings import TlsMode, WebhookSettings
 from vramshare_webhook.tls import ReloadingTls, SecretTls
@@ -174,10 +174,16 @@ async def serve(settings: WebhookSettings) -> None:
         await runner.setup()
         site = web.TCPSite(runner, settings.host, settings.port, ssl_context=tls.context, backlog=512)
         await site.start()
+        metrics_runner = None
+        if settings.metrics_port:
+            metrics_runner = web.AppRunner(create_metrics_app(admitter=admitter), access_log=None)
+            await metrics_runner.setup()
+            await web.TCPSite(metrics_runner, settings.host, settings.metrics_port).start()
         log.info(
             "serving",
             host=settings.host,
             port=settings.port,
+            metrics_port=settings.metrics_port or settings.port,
             policy=settings.policy.value,
             tls_mode=settings.tls_mode.value,
         )
@@ -204,6 +210,8 @@ async def serve(settings: WebhookSettings) -> None:
             await asyncio.sleep(settings.shutdown_delay_s)
         finally:
             await runner.cleanup()
+            if metrics_runner is not None:
+                await metrics_runner.cleanup()
             if replicas is not None:
                 await replicas.release()
             # The last answers are out: their committed labels and withdrawals still finish.

@@ -1,8 +1,8 @@
-"""The aiohttp application: /mutate, /healthz, /readyz and /metrics."""
+"""The aiohttp applications: /mutate, /healthz, /readyz and /metrics; /metrics alone on a port of its own."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 
 import structlog
 from aiohttp import web
@@ -62,13 +62,24 @@ def create_app(
             return web.Response(text="shutting down", status=503)
         return web.Response(text="ok") if ready() else web.Response(text="not ready", status=503)
 
+    app.router.add_post("/mutate", mutate)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    app.router.add_get("/metrics", metrics_of(admitter))
+    return app
+
+
+def create_metrics_app(*, admitter: Admitter) -> web.Application:
+    """/metrics alone, for a port of its own (settings.metrics_port): what Prometheus may reach."""
+    app = web.Application()
+    app.router.add_get("/metrics", metrics_of(admitter))
+    return app
+
+
+def metrics_of(admitter: Admitter) -> Callable[[web.Request], Awaitable[web.Response]]:
     async def metrics(_: web.Request) -> web.Response:
         return web.Response(
             body=generate_latest(admitter.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
         )
 
-    app.router.add_post("/mutate", mutate)
-    app.router.add_get("/healthz", healthz)
-    app.router.add_get("/readyz", readyz)
-    app.router.add_get("/metrics", metrics)
-    return app
+    return metrics

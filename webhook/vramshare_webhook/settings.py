@@ -171,6 +171,9 @@ class WebhookSettings:
     """The address the webhook listens on."""
     port: int = 8443
     """The HTTPS port the webhook listens on (the chart's webhook.port)."""
+    metrics_port: int = 0
+    """A port of its own for /metrics (plain HTTP): a NetworkPolicy can then let Prometheus scrape it
+    without reaching /mutate. 0: /metrics only on the HTTPS port, beside /mutate."""
     tls_mode: TlsMode = TlsMode.FILES
     """files (tls_cert_file and tls_key_file, reloaded when they change), secret (tls_secret, kept by
     someone else) or self-managed (the webhook issues its certificate into tls_secret and keeps the
@@ -266,6 +269,9 @@ class WebhookSettings:
             raise invalid("log_level", self.log_level, ", ".join(LEVELS))
         if self.denial_code not in (403, 429):
             raise invalid("denial_code", self.denial_code, "403 or 429")
+        if not 0 <= self.metrics_port <= 65535 or (self.metrics_port and self.metrics_port == self.port):
+            accepted = f"0 (on the HTTPS port) or a port other than port ({self.port})"
+            raise invalid("metrics_port", self.metrics_port, accepted)
         check_accounting(self.accounting)
         if not 0 < self.decision_deadline_s <= 29:
             raise invalid("decision_deadline_s", self.decision_deadline_s, "seconds between 0 and 29")

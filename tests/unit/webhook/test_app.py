@@ -11,7 +11,7 @@ from structlog.testing import capture_logs
 
 from tests.unit.webhook.fakes import MemoryLedger, admitter
 from vramshare_webhook import review as rv
-from vramshare_webhook.app import create_app
+from vramshare_webhook.app import create_app, create_metrics_app
 from vramshare_webhook.callers import caller_problem
 
 
@@ -163,3 +163,16 @@ def test_a_caller_is_known_by_a_verified_certificate_with_an_accepted_name() -> 
     assert "not one vramshare accepts" in str(caller_problem(cert("mallory"), accepted={"kube-apiserver"}))
     for nothing in (None, {}):
         assert "only from the API server" in str(caller_problem(nothing, accepted=()))
+
+
+async def test_the_metrics_port_serves_metrics_and_nothing_that_books() -> None:
+    """Issue #42, 2: with metrics on a port of their own, what may reach that port (Prometheus, under
+    the chart's NetworkPolicy) cannot post a review."""
+    shared = admitter(MemoryLedger())
+    async with TestClient(TestServer(create_app(admitter=shared, ready=lambda: True))) as main:
+        await main.post("/mutate", data=review_body(), headers={"Content-Type": "application/json"})
+    async with TestClient(TestServer(create_metrics_app(admitter=shared))) as http:
+        metrics = await (await http.get("/metrics")).text()
+        assert 'vramshare_webhook_decisions_total{outcome="admitted",reason="fits"} 1.0' in metrics
+        assert (await http.post("/mutate", data=review_body())).status in (404, 405)
+        assert (await http.get("/readyz")).status == 404
