@@ -423,6 +423,21 @@ spec-dirs = ["{self.root / "cdi"}"]
         mounts = [line.split()[1] for line in Path("/proc/self/mounts").read_text().splitlines()]
         return [m for m in mounts if m.startswith(str(self.root))]
 
+    def running_containers(self, pod: str) -> int:
+        """How many containers of pods named `pod` containerd runs on this node now (the runtime's own
+        word, not the API server's: a force-deleted pod's containers outlive its object)."""
+        # The pod's own containers, not its sandbox (the pause container carries the pod's name too).
+        selector = f'labels."io.kubernetes.pod.name"=={pod},labels."io.cri-containerd.kind"==container'
+        listed = self._ctr("containers", "list", "--quiet", selector)
+        ids = set(listed.stdout.split())
+        tasks = self._ctr("tasks", "list").stdout.splitlines()[1:]
+        return sum(1 for line in tasks if line.split() and line.split()[0] in ids and "RUNNING" in line)
+
+    def containers_report(self) -> str:
+        """containerd's containers and tasks on this node, for a failure's reader."""
+        containers, tasks = self._ctr("containers", "list"), self._ctr("tasks", "list")
+        return f"{containers.stdout}{containers.stderr}\n{tasks.stdout}{tasks.stderr}"
+
     def _ctr(self, *args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
             [node_bin("ctr"), f"--address={self.socket}", "--namespace=k8s.io", *args],

@@ -413,6 +413,50 @@ def test_a_gpu_pod_runs_on_a_real_node_with_the_gpu_it_was_given(stack: Stack) -
     )
 
 
+def test_a_force_deleted_pod_keeps_its_booking_while_its_container_still_runs(stack: Stack) -> None:
+    """Issue #42, 9: `kubectl delete --force --grace-period=0` removes the pod object at once, while the
+    kubelet still runs its container for a while: its 2 s minimum grace on kubelet 1.37, the pod's
+    terminationGracePeriodSeconds on kubelets 1.22 to 1.30 (kubernetes/kubernetes#120449). The booking
+    counts until the container is gone, as containerd on the node reports it: vramshare waits the
+    longer of the two, since it cannot tell which kubelet it faces."""
+    cluster, core = stack.cluster, stack.core
+    node = next(n for n in stack.real.nodes if n.name == REAL[0])
+    pod = task_pod("stubborn", mib=1000, script="echo started; sleep 600", node=REAL[0])
+    pod.spec.termination_grace_period_seconds = 12  # the shell, PID 1, ignores SIGTERM: killed at the end
+    booking = core.create_namespaced_pod(JOBS, pod).metadata.annotations[ANNOTATION_RESERVATION]
+    eventually(
+        lambda: reservation_phase(cluster, booking) == "Bound" and node.running_containers("stubborn") == 1,
+        what="the container running and its booking Bound",
+        timeout_s=90,
+        detail=lambda: (
+            reservation_phase(cluster, booking),
+            node.running_containers("stubborn"),
+            node.containers_report(),
+            core.read_namespaced_pod("stubborn", JOBS).status,
+        ),
+    )
+    core.delete_namespaced_pod("stubborn", JOBS, grace_period_seconds=0)
+    deleted = time.monotonic()
+    gone_after = released_after = None
+    while time.monotonic() - deleted < 45 and (gone_after is None or released_after is None):
+        running = node.running_containers("stubborn")
+        counted = reservation_phase(cluster, booking) == "Bound"
+        elapsed = time.monotonic() - deleted
+        if gone_after is None and not running:
+            gone_after = elapsed
+        if released_after is None and not counted:
+            released_after = elapsed
+        time.sleep(0.25)
+    print(
+        f"\nforce-deleted pod: its container ran {gone_after} s after the delete; "
+        f"its booking counted {released_after} s"
+    )
+    assert gone_after is not None, "the container still ran 45 s after the force delete"
+    assert gone_after > 1  # the object went first, the container after it (kubelet 1.37: about 2 s)
+    assert released_after is not None
+    assert released_after >= gone_after - 0.5  # never released while the container ran
+
+
 def test_a_pod_without_a_request_runs_seeing_no_gpu_though_its_image_says_all(stack: Stack) -> None:
     script = "echo NVIDIA_VISIBLE_DEVICES=$NVIDIA_VISIBLE_DEVICES"
     stack.core.create_namespaced_pod(JOBS, task_pod("cpu-only", mib=None, script=script, node=REAL[0]))

@@ -173,6 +173,10 @@ class PodSighting:
     unschedulable_since: float | None = None
     """Since when the scheduler has found no node for it (PodScheduled False, Unschedulable)."""
     unschedulable_message: str = ""
+    forced_grace_s: float | None = None
+    """Set while a container of the pod runs in a runtime: if the pod object goes now (a force delete,
+    grace 0), the kubelet still gives its containers the pod's terminationGracePeriodSeconds (this many
+    seconds) before killing them, and they hold their GPU memory until then."""
 
 
 def stuck_unschedulable(

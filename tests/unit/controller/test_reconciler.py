@@ -384,3 +384,45 @@ async def test_records_of_pods_that_never_appeared_are_kept_only_up_to_the_bound
         left = sorted(p.rsplit("/", 1)[1] for p in kube.objects if "/gpureservations/" in p)
         assert left == ["ghost-4", "ghost-5", "ghost-6"]  # the newest three
         assert reconciler.metrics.never_created_trimmed._value.get() == 4
+
+
+async def test_a_pod_force_deleted_while_running_keeps_its_booking_until_the_kubelet_has_killed_it() -> None:
+    """Issue #42, 9: a force delete (grace 0) removes the pod object at once, but the kubelet still gives
+    its containers the pod's terminationGracePeriodSeconds; the booking counts until then."""
+    now = [NOW]
+    async with setup(now=now) as (kube, reconciler):
+        pod = await add_pod(kube, "task", created=NOW + 1)
+        await fed()
+        await reconciler.sweep(presence=PRESENT)
+        assert status(kube)["phase"] == "Bound"
+        pod_path = "/api/v1/namespaces/jobs/pods/task"
+        await kube.delete(pod_path)
+        running = {
+            "containerID": "containerd://abc",
+            "state": {"running": {"startedAt": format_time(NOW + 2)}},
+        }
+        forced = {**pod, "spec": {"terminationGracePeriodSeconds": 20}}
+        forced["status"] = {"phase": "Running", "containerStatuses": [running]}
+        await reconciler.pod_changed(forced, deleted=True, presence=PRESENT)
+        await fed()
+        for later in (1, 15, 21):  # within the grace period and the kubelet's kill
+            now[0] = NOW + later
+            await reconciler.sweep(presence=PRESENT)
+            assert status(kube)["phase"] == "Bound", later
+        now[0] = NOW + 23
+        await reconciler.sweep(presence=PRESENT)
+        assert PATH not in kube.objects  # released, and gone with its pod
+        reconciler._releases.cancel_all()
+
+
+async def test_a_pod_whose_containers_stopped_releases_its_booking_when_it_is_gone() -> None:
+    """A graceful delete: the kubelet removed the object once the containers stopped; nothing to wait for."""
+    async with setup() as (kube, reconciler):
+        pod = await add_pod(kube, "task", created=NOW + 1)
+        await fed()
+        await reconciler.sweep(presence=PRESENT)
+        await kube.delete("/api/v1/namespaces/jobs/pods/task")
+        stopped = {"containerID": "containerd://abc", "state": {"terminated": {"exitCode": 143}}}
+        gone = {**pod, "status": {"phase": "Running", "containerStatuses": [stopped]}}
+        await reconciler.pod_changed(gone, deleted=True, presence=PRESENT)
+        assert PATH not in kube.objects  # released, and gone with its pod

@@ -376,3 +376,44 @@ def test_a_booking_whose_pod_never_appeared_goes_after_its_own_shorter_retention
     assert deleted("PodNeverCreated", 61)
     assert not deleted("HoldLapsed", 61)
     assert deleted("HoldLapsed", 601)
+
+
+def test_a_force_deleted_pods_booking_is_released_only_once_its_containers_are_gone() -> None:
+    res = GpuReservation.from_wire(obj("Bound", podUID="uid-1"))
+    held = plan(
+        res=res, pod=None, gpu_missing=False, now=NOW, ttl_s=20, retention_s=600, running_until=NOW + 5
+    )
+    assert held.release_at == NOW + 5
+    assert held.transition is None
+    assert held.empty
+    later = plan(
+        res=res, pod=None, gpu_missing=False, now=NOW + 6, ttl_s=20, retention_s=600, running_until=NOW + 5
+    )
+    assert later.transition is not None
+    assert later.transition.reason == "PodDeleted"
+
+
+def test_a_pod_is_seen_to_hold_containers_only_where_a_runtime_runs_them() -> None:
+    """Issue #42, 9: a running container with a runtime ID may outlive the pod object (a force delete);
+    kwok's fake containers have no ID, a finished pod none that runs."""
+    running = {"containerID": "containerd://abc", "state": {"running": {"startedAt": format_time(NOW)}}}
+    pod = {
+        "metadata": {"name": "t", "uid": "u"},
+        "status": {"phase": "Running", "containerStatuses": [running]},
+    }
+    assert pod_sighting(pod).forced_grace_s == 30.0  # the API server's default grace
+    assert pod_sighting({**pod, "spec": {"terminationGracePeriodSeconds": 5}}).forced_grace_s == 5.0
+    fake = {**running, "containerID": None}
+    assert (
+        pod_sighting({**pod, "status": {"phase": "Running", "containerStatuses": [fake]}}).forced_grace_s
+        is None
+    )
+    stopped = {"containerID": "containerd://abc", "state": {"terminated": {"exitCode": 0}}}
+    assert (
+        pod_sighting({**pod, "status": {"phase": "Running", "containerStatuses": [stopped]}}).forced_grace_s
+        is None
+    )
+    assert (
+        pod_sighting({**pod, "status": {"phase": "Succeeded", "containerStatuses": [running]}}).forced_grace_s
+        is None
+    )

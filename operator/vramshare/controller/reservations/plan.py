@@ -32,6 +32,11 @@ from vramshare.kube.resources import (
     parse_time,
 )
 
+DEFAULT_GRACE_S = 30.0
+"""A pod's terminationGracePeriodSeconds when its spec does not say (the API server's default)."""
+KUBELET_KILL_S = 2.0
+"""What the kubelet takes past the grace period to kill and reap the containers (its minimum grace)."""
+
 
 def pod_sighting(pod: Obj) -> PodSighting:
     """What the lifecycle needs of a pod carrying a reservation's label."""
@@ -45,13 +50,23 @@ def pod_sighting(pod: Obj) -> PodSighting:
     phase = str(status.get("phase") or "Pending")
     scheduled: Obj = next((c for c in status.get("conditions") or [] if c.get("type") == "PodScheduled"), {})
     unschedulable = scheduled.get("status") == "False" and scheduled.get("reason") == "Unschedulable"
+    finished = phase in ("Succeeded", "Failed")
+    # A container the runtime runs (it has an ID) that has not stopped: should the pod object go now, the
+    # kubelet has yet to kill it. A graceful delete removes the object only once every container stopped.
+    runs = any(
+        c.get("containerID") and "running" in (c.get("state") or {})
+        for c in status.get("containerStatuses") or []
+    )
+    grace = (pod.get("spec") or {}).get("terminationGracePeriodSeconds")
+    grace_s = float(grace) if isinstance(grace, int | float) else DEFAULT_GRACE_S
     return PodSighting(
+        forced_grace_s=grace_s if runs and not finished else None,
         unschedulable_since=parse_time(scheduled.get("lastTransitionTime")) or 0.0 if unschedulable else None,
         unschedulable_message=str(scheduled.get("message") or "") if unschedulable else "",
         name=meta["name"],
         uid=meta["uid"],
         created_at=parse_time(meta.get("creationTimestamp")) or 0.0,
-        state=PodState.FINISHED if phase in ("Succeeded", "Failed") else PodState.ACTIVE,
+        state=PodState.FINISHED if finished else PodState.ACTIVE,
         running_since=min((s for s in starts if s is not None), default=None),
         gpu_uuid=(meta.get("annotations") or {}).get(ANNOTATION_GPU_UUID),
     )
@@ -76,6 +91,9 @@ class Plan:
     """It was deleted while its pod may still hold the memory: it stays, and counts, until then."""
     bind_at: float | None = None
     """Binding waits for its pod to run until then (see `_binds_later`); nothing is written now."""
+    release_at: float | None = None
+    """Its pod was force-deleted while it ran: the booking counts until then, when the kubelet has
+    killed the containers (see `PodSighting.forced_grace_s`); nothing is written now."""
 
     @property
     def empty(self) -> bool:
@@ -94,9 +112,11 @@ def plan(
     hold_limit_s: float = float("inf"),
     bind_wait_s: float = 0.0,
     pod_deleted: bool = False,
+    running_until: float | None = None,
 ) -> Plan:
     """What to write for `res` now. `pod_deleted`: its pod's deletion was just seen (it may have gone
-    before its booking was bound: see `bind_wait_s`). A booking whose pod never appeared is kept
+    before its booking was bound: see `bind_wait_s`). `running_until`: its pod was force-deleted while it
+    ran, and its containers may run until then. A booking whose pod never appeared is kept
     `never_created_retention_s` (default: `retention_s`)."""
     current = res.status
     seen = bool(current.pod_uid) or pod_deleted
@@ -116,6 +136,14 @@ def plan(
     )
     if pod is not None and _binds_later(transition, pod, now=now, bind_wait_s=bind_wait_s):
         return Plan(bind_at=pod.created_at + bind_wait_s)
+    if (
+        transition is not None
+        and transition.reason == "PodDeleted"
+        and running_until is not None
+        and now < running_until
+    ):
+        # Force-deleted while it ran: its containers still hold the memory (issue #42, 9).
+        return Plan(release_at=running_until)
     # Open (queued or holding memory): its pod is recorded.
     active_after = transition.phase.is_open if transition is not None else res.phase.is_open
     if pod is not None and active_after:

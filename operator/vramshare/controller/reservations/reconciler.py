@@ -11,7 +11,7 @@ from dataclasses import replace
 import structlog
 
 from vramshare.controller.metrics import ControllerMetrics
-from vramshare.controller.reservations.plan import ABSENCE, Plan, plan, pod_sighting
+from vramshare.controller.reservations.plan import ABSENCE, KUBELET_KILL_S, Plan, plan, pod_sighting
 from vramshare.controller.reservations.timers import Checks, KeyedTimers
 from vramshare.controller.reservations.wording import (
     booked_past_capacity_note,
@@ -76,6 +76,12 @@ class ReservationReconciler:
         self._checks = Checks()
         self._announced: set[tuple[str, str]] = set()
         """(reservation, impostor pod UID) pairs already reported, so each gets one event."""
+        self._releases = KeyedTimers()
+        """Bookings whose pod was force-deleted while it ran, with the look due when the kubelet has
+        killed its containers."""
+        self._running_until: dict[str, float] = {}
+        """Reservation key -> when the containers of its force-deleted pod are gone at the latest. Kept
+        in memory: after a failover the new leader releases such a booking at its first look."""
         self._stuck: dict[str, str] = {}
         """Reservation key -> UID of its pod that has been unschedulable too long (warned once)."""
 
@@ -91,6 +97,7 @@ class ReservationReconciler:
         finally:
             self._deadlines.cancel_all()
             self._binds.cancel_all()
+            self._releases.cancel_all()
 
     async def sweep(self, *, presence: GpuPresence) -> int:
         """Check every reservation against its pod, from the watch caches; returns how many changed.
@@ -107,6 +114,8 @@ class ReservationReconciler:
         keys = {r.key for r in current}
         # Said-once notes of reservations that no longer exist are forgotten.
         self._announced = {note for note in self._announced if note[0] in keys}
+        for key in self._running_until.keys() - keys:
+            del self._running_until[key]
         gone = self._stuck.keys() - keys  # deleted with their pod
         if gone:
             for key in gone:
@@ -165,6 +174,15 @@ class ReservationReconciler:
                 if not deleted:
                     await self._announce_impostor(member, sighting, now=self.clock())
                 continue  # another pod's event says nothing about this reservation's own pod
+            if deleted and sighting.forced_grace_s is not None:
+                # Gone while its containers ran (a force delete): the kubelet still gives them their
+                # grace period, and they hold the memory until it kills them (issue #42, 9).
+                self._running_until[member.key] = self.clock() + sighting.forced_grace_s + KUBELET_KILL_S
+                log.info(
+                    "pod gone while its containers run; its booking counts until the kubelet kills them",
+                    pod=f"{meta['namespace']}/{meta['name']}",
+                    grace_s=sighting.forced_grace_s,
+                )
             await self.reconcile(member, [] if deleted else [pod], presence=presence, pod_deleted=deleted)
 
     def reservation_changed(self, res: GpuReservation, *, presence: Callable[[], GpuPresence]) -> None:
@@ -209,6 +227,19 @@ class ReservationReconciler:
             )
 
         self._binds.arm(key, max(0.0, at - now) + 0.1, due)
+
+    def _release_later(self, res: GpuReservation, *, at: float, now: float, presence: GpuPresence) -> None:
+        """Look at `res` again when its force-deleted pod's containers are gone at the latest."""
+        key = (res.namespace, res.name)
+        if key in self._releases:
+            return
+
+        def due() -> None:
+            current = self.state.reservations.items.get(res.key)
+            if current is not None:
+                self._checks.spawn(self._reconcile_quietly(current, [], presence))
+
+        self._releases.arm(key, max(0.0, at - now) + 0.1, due)
 
     async def _reconcile_quietly(self, res: GpuReservation, pods: list[Obj], presence: GpuPresence) -> None:
         try:
@@ -265,9 +296,14 @@ class ReservationReconciler:
             hold_limit_s=self.settings.hold_limit_s,
             bind_wait_s=self.settings.bind_wait_s,
             pod_deleted=pod_deleted,
+            running_until=self._running_until.get(res.key),
         )
         if the_plan.bind_at is not None and pod is not None:
             self._bind_later(res, pod, at=the_plan.bind_at, now=now, presence=presence)
+        if the_plan.release_at is not None:
+            self._release_later(res, at=the_plan.release_at, now=now, presence=presence)
+        elif the_plan.transition is not None:
+            self._running_until.pop(res.key, None)
         if the_plan.deletion_waits:
             await self._announce_deletion_wait(res, pod, now=now)
         if the_plan.empty:
