@@ -39,6 +39,7 @@ class Exclusion(StrEnum):
     MIG_ENABLED = "mig-enabled"
     OTHER_NODE = "other-node"
     OTHER_MODEL = "other-model"
+    NOT_SHARED = "not-shared"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -150,6 +151,8 @@ def _screen(gpu: Gpu, request: AllocationRequest, accounting: Accounting, now: f
         return Exclusion.UNHEALTHY
     if gpu.mig:
         return Exclusion.MIG_ENABLED
+    if gpu.not_shared:
+        return Exclusion.NOT_SHARED
     if accounting.stale_mode is StaleGpuMode.REFUSE and now - gpu.sampled_at > accounting.max_sample_age_s:
         return Exclusion.STALE
     return None

@@ -39,7 +39,13 @@ def could_ever_fit(mib: int, gpu: Gpu, *, settings: AllocationSettings) -> bool:
         safety_margin_mib=settings.accounting.safety_margin_mib,
         ledger_only=True,
     )
-    return not gpu.missing and gpu.healthy and not gpu.mig_enabled and empty.headroom_mib >= mib
+    return (
+        not gpu.missing
+        and gpu.healthy
+        and not gpu.mig_enabled
+        and not gpu.not_shared
+        and empty.headroom_mib >= mib
+    )
 
 
 def closest_to_fitting(

@@ -14,7 +14,7 @@ turn memory a pod grew into headroom.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
@@ -27,6 +27,8 @@ class DeviceState(StrEnum):
     READY = "Ready"
     STALE = "Stale"
     MISSING = "Missing"
+    NOT_SHARED = "NotShared"
+    """Something else hands it out (see `vramshare.domain.ownership`): vramshare books nothing on it."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -122,12 +124,15 @@ def observe(
     nodes: set[str] | None,
     now: float,
     settings: InventorySettings,
+    not_shared: Mapping[str, str] | None = None,
 ) -> list[DeviceStatus]:
     """The status of every GPU, known or newly sampled, after this reading.
 
     `nodes` are the Kubernetes nodes that exist (None when unknown: then no GPU is judged gone for
-    lack of a node).
+    lack of a node). `not_shared`: node -> why vramshare may not share its GPUs (see
+    `vramshare.domain.ownership`).
     """
+    not_shared = not_shared or {}
     accounting = settings.accounting
     max_age = accounting.max_sample_age_s
     sampled = {s.uuid: s for s in samples}
@@ -166,6 +171,9 @@ def observe(
             message = f"latest sample is {age:.0f} s old (max {max_age:g} s)"
         else:
             state, message = DeviceState.READY, "fresh DCGM sample"
+        if state is not DeviceState.MISSING and gpu.node in not_shared:
+            state, message = DeviceState.NOT_SHARED, not_shared[gpu.node]
+        gpu = replace(gpu, not_shared=not_shared.get(gpu.node, "") if state is DeviceState.NOT_SHARED else "")
         if rejected and state is not DeviceState.MISSING:
             message = f"{message}; {rejected}"
         if gpu.mig_enabled and state is not DeviceState.MISSING:
@@ -179,7 +187,7 @@ def observe(
             safety_margin_mib=accounting.safety_margin_mib,
             ledger_only=state is DeviceState.STALE and accounting.stale_mode is StaleGpuMode.LEDGER_ONLY,
         )
-        if state is DeviceState.MISSING or gpu.mig_enabled:
+        if state in (DeviceState.MISSING, DeviceState.NOT_SHARED) or gpu.mig_enabled:
             room = replace(room, headroom_mib=0)
         overused = 0
         if state is DeviceState.READY and not gpu.mig_enabled:

@@ -39,6 +39,8 @@ def describe_verdict(verdict: GpuVerdict, *, max_sample_age_s: float) -> str:
                 f"MIG enabled ({mig_summary(gpu.mig)}); vramshare hands out whole GPUs by UUID and DCGM "
                 "does not name the instances' MIG device UUIDs"
             )
+        case Exclusion.NOT_SHARED:
+            why = f"not shared: {gpu.not_shared}"
         case Exclusion.OTHER_MODEL:
             why = f"model {gpu.model} is not the one asked for"
         case Exclusion.OTHER_NODE:

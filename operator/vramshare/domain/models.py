@@ -88,6 +88,9 @@ class Gpu:
     mig: tuple[MigInstance, ...] = ()
     """The GPU instances of a MIG-enabled GPU; empty for a whole GPU. A MIG-enabled GPU is never
     handed to a pod: its UUID names the parent, which a container cannot use while MIG is on."""
+    not_shared: str = ""
+    """Why vramshare may not share it: something else hands it out (NVIDIA's device plugin on its node,
+    see `vramshare.domain.ownership`); empty when it may."""
 
     @property
     def mig_enabled(self) -> bool:

@@ -36,6 +36,7 @@ from vramshare.domain.inventory import (
     observe,
     to_forget,
 )
+from vramshare.domain.ownership import NodeGpus, not_shared
 from vramshare.kube.client import KubeClient
 from vramshare.prometheus import DcgmSource, PrometheusUnavailableError
 
@@ -104,7 +105,12 @@ class InventoryLoop:
         # From the watch caches: no LIST per poll.
         devices = list(self.state.devices.items.values())
         reservations = [r.to_domain() for r in self.state.reservations.items.values() if r.phase.is_active]
-        nodes = {n.name for n in self.state.nodes.items.values()}
+        node_views = list(self.state.nodes.items.values())
+        nodes = {n.name for n in node_views}
+        # Nodes whose GPUs NVIDIA's device plugin hands out (and not dedicated to vramshare): not shared.
+        foreign = not_shared(
+            NodeGpus(name=n.name, labels=n.labels, allocatable=n.extended) for n in node_views
+        )
         now = self.clock()
         by_uuid = {d.spec.uuid: d for d in devices}
         known = []
@@ -123,6 +129,7 @@ class InventoryLoop:
             nodes=nodes,
             now=now,
             settings=self.settings.inventory,
+            not_shared=foreign,
         )
         drifting = self.report.totals(statuses, known)
         self._drift = {j.gpu.uuid: j.drift for j in statuses if j.drift is not None}

@@ -166,6 +166,11 @@ class DeviceWriter:
                 message=judged.message,
             )
         await self._report_delivery(device, previous, desired, now=now)
+        if judged.state is DeviceState.NOT_SHARED and (previous is None or previous.state != desired.state):
+            log.warning("GPU not shared", uuid=gpu.uuid, node=gpu.node, why=judged.message)
+            await self._device_event(
+                device, Event(type="Warning", reason="GpuNotShared", message=judged.message), now=now
+            )
         was_over = overused(previous)
         if judged.overused_mib > 0 and not was_over:
             # Pods, not holds: a hold keeps memory for a task that does not run yet.

@@ -236,7 +236,15 @@ class GpuDevice:
             healthy=self.status.state != "Unhealthy",
             missing=self.status.state == DeviceState.MISSING.value,
             mig=self.status.mig,
+            not_shared=self._not_shared(),
         )
+
+    def _not_shared(self) -> str:
+        """Why the controller found the GPU not vramshare's to share (its Ready condition says)."""
+        if self.status is None or self.status.state != DeviceState.NOT_SHARED.value:
+            return ""
+        ready = self.status.condition("Ready")
+        return (ready.message if ready is not None else "") or "another allocator hands it out"
 
 
 def _mig_to_wire(instance: MigInstance) -> Obj:

@@ -1,0 +1,109 @@
+"""Nodes where NVIDIA's device plugin hands the GPUs out whole (issue #43, "know what is not yours"): the
+real API server, kwok nodes whose status advertises nvidia.com/gpu as the device plugin makes the kubelet
+do, the controller and the webhook. Their GPUs are NotShared, with no headroom, a Warning event and a
+refusal that says why, until the operator dedicates the node to vramshare with a label."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from kubernetes import client, config
+from kubernetes.client.rest import ApiException
+
+from vramshare.domain.ownership import DEDICATED_LABEL
+from vramshare_e2e.cluster import LocalCluster
+from vramshare_e2e.components import start_controller, start_webhook, webhook_configuration
+from vramshare_e2e.process import eventually
+
+pytestmark = pytest.mark.cluster
+
+NODE = "gpu-node-a"  # the two A100 40 GB
+
+
+@pytest.fixture(scope="module")
+def stack() -> Iterator[LocalCluster]:
+    with LocalCluster.start() as local:
+        port = start_webhook(local, name="webhook", env={"VRAMSHARE_SETTLE_S": "2"})[1]
+        local.apply_objects([webhook_configuration(local, ports={"dp": port})])
+        local.kubectl("create", "namespace", "jobs")
+        local.kubectl("label", "namespace", "jobs", "vramshare-e2e/shard=dp")
+        start_controller(local, name="controller", env={"VRAMSHARE_POLL_INTERVAL_S": "1"})
+        yield local
+
+
+def states(stack: LocalCluster) -> dict[str, tuple[str, str]]:
+    """node/index -> (state, the Ready condition's message)."""
+    out = {}
+    for d in json.loads(stack.kubectl("get", "gpudevices", "-o", "json"))["items"]:
+        status = d.get("status") or {}
+        ready = next((c for c in status.get("conditions") or [] if c["type"] == "Ready"), {})
+        out[f"{d['spec']['nodeName']}/{d['spec']['index']}"] = (
+            status.get("state", ""),
+            ready.get("message", ""),
+        )
+    return out
+
+
+def advertise(stack: LocalCluster, gpus: int) -> None:
+    """What NVIDIA's device plugin makes the kubelet write: nvidia.com/gpu in capacity and allocatable."""
+    patch = {
+        "status": {"capacity": {"nvidia.com/gpu": str(gpus)}, "allocatable": {"nvidia.com/gpu": str(gpus)}}
+    }
+    stack.kubectl("patch", "node", NODE, "--subresource=status", "--type=merge", "-p", json.dumps(patch))
+
+
+def large_pod(name: str) -> client.V1Pod:
+    """30 000 MiB: only the A100s of gpu-node-a have that much."""
+    return client.V1Pod(
+        metadata=client.V1ObjectMeta(name=name, annotations={"gpu-mem-mb": "30000"}),
+        spec=client.V1PodSpec(containers=[client.V1Container(name="c", image="example.invalid/x")]),
+    )
+
+
+def test_gpus_the_device_plugin_hands_out_are_not_shared_until_the_node_is_dedicated(
+    stack: LocalCluster,
+) -> None:
+    core = client.CoreV1Api(config.new_client_from_config(config_file=str(stack.kubeconfig)))
+    eventually(lambda: states(stack).get(f"{NODE}/0", ("",))[0] == "Ready", what="the A100s Ready")
+    advertise(stack, 2)
+    eventually(
+        lambda: all(states(stack)[f"{NODE}/{i}"][0] == "NotShared" for i in (0, 1)),
+        what="the A100s NotShared once the node advertises nvidia.com/gpu",
+        timeout_s=30,
+    )
+    _, message = states(stack)[f"{NODE}/0"]
+    assert f"node {NODE} advertises nvidia.com/gpu: 2" in message
+    assert f"{DEDICATED_LABEL}=true" in message
+    headrooms = json.loads(stack.kubectl("get", "gpudevices", "-o", "json"))["items"]
+    assert {d["status"]["headroomMiB"] for d in headrooms if d["spec"]["nodeName"] == NODE} == {0}
+    events = json.loads(stack.kubectl("get", "events", "-A", "-o", "json"))["items"]
+    assert any(e["reason"] == "GpuNotShared" and e["type"] == "Warning" for e in events)
+    # The T4s of the other node still take small pods; nothing takes the A100s.
+    with pytest.raises(ApiException) as refused:
+        core.create_namespaced_pod("jobs", large_pod("large-refused"))
+    body: Any = json.loads(refused.value.body)
+    assert f"not shared: node {NODE} advertises nvidia.com/gpu" in body["message"], body["message"]
+
+    stack.kubectl("label", "node", NODE, f"{DEDICATED_LABEL}=true")
+    eventually(
+        lambda: all(states(stack)[f"{NODE}/{i}"][0] == "Ready" for i in (0, 1)),
+        what="the A100s Ready again once the node is dedicated to vramshare",
+        timeout_s=30,
+    )
+    placed = eventually(
+        lambda: _create(core, large_pod("large-placed")),
+        what="the large pod admitted on an A100",
+        timeout_s=30,
+    )
+    assert placed.spec.affinity is not None
+    print(f"\n[device plugin] GPUs on a node advertising nvidia.com/gpu: NotShared ({message})")
+
+
+def _create(core: client.CoreV1Api, pod: client.V1Pod) -> Any:
+    try:
+        return core.create_namespaced_pod("jobs", pod)
+    except ApiException:
+        return None
