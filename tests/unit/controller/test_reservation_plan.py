@@ -56,17 +56,17 @@ def make(o: dict[str, Any], pod: PodSighting | None = POD, *, missing: bool = Fa
     return plan(res=res, pod=pod, gpu_missing=missing, now=NOW, ttl_s=300, retention_s=600)
 
 
-def test_binding_is_one_status_write_and_posts_the_reserved_event() -> None:
+def test_binding_is_one_status_write_and_posts_no_event() -> None:
     """No ownerReference (a second write per pod, issue #31): the finalizer was set at creation, and
-    the controller deletes the booking once its pod is gone."""
+    the controller deletes the booking once its pod is gone. No event either (issue #45): the pod's own
+    annotations say where it is booked."""
     p = make(obj())
     assert p.status is not None
     assert p.status.phase is ReservationPhase.BOUND
     assert p.status.pod_uid == "uid-1"
     assert p.status.to_wire()["podRunningSince"] == format_time(NOW - 30)
     assert (p.finalizer, p.active_label, p.delete) == (None, None, False)
-    assert p.event is not None
-    assert p.event.message == "Reserved 4096 MiB on GPU-1 (node-a, index 2)"
+    assert p.event is None
 
 
 def test_nothing_to_do_when_bound_and_recorded() -> None:

@@ -29,9 +29,10 @@ def event_for(res: GpuReservation, transition: Transition) -> Event | None:
     )
     match transition.reason:
         case "PodBound":
-            return Event(
-                type="Normal", reason="GpuReserved", message=f"Reserved {spec.memory_mib} MiB on {gpu}"
-            )
+            # No event: `kubectl describe pod` shows the booking in the pod's own annotations
+            # (vramshare.io/gpu-uuid, vramshare.io/reservation), written at admission, and an event per
+            # pod was one API write per admitted pod (issue #45). Events are for what is unusual.
+            return None
         case "GpuMissing":
             return Event(
                 type="Warning",
