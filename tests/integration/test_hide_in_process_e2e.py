@@ -19,6 +19,7 @@ import pytest
 from vramshare_e2e.admission_parts import start_mutating_webhook
 from vramshare_e2e.cluster import LocalCluster
 from vramshare_e2e.components import hide_gpus_policy, start_webhook, webhook_configuration
+from vramshare_e2e.process import eventually
 
 pytestmark = pytest.mark.cluster
 
@@ -51,6 +52,16 @@ def stack() -> Iterator[tuple[LocalCluster, int]]:
             local.kubectl(
                 "label", "namespace", namespace, f"vramshare-e2e/shard={shard}", "e2e.vramshare.io/sidecar=on"
             )
+
+        # The API server takes up a new admission policy a moment after it is created: until then a plain
+        # pod reaches the webhook (the first case of a CI run once did, twice with the sidecar's
+        # reinvocation). The cases start once a plain pod no longer does.
+        def policy_in_effect() -> bool:
+            before = hidden_by_webhook(ports["ip"])
+            dry_run(local, IN_PROCESS, "probe", {"spec": {"containers": [container("c")]}})
+            return hidden_by_webhook(ports["ip"]) == before
+
+        eventually(policy_in_effect, what="the in-process hiding policy in effect", timeout_s=30)
         yield local, ports["ip"]
 
 
