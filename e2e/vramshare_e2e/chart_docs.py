@@ -68,13 +68,19 @@ def render(chart: Path = CHART) -> str:
         "(`docs/`, `make docs`) explains each feature; `values.schema.json` refuses wrong types and",
         "unknown keys.",
         "",
-        "| value | default | meaning |",
-        "|---|---|---|",
+        *values_table(text, values),
     ]
+    return "\n".join(lines) + "\n"
+
+
+def values_table(text: str, values: dict[str, Any]) -> list[str]:
+    """The Markdown table of every documented value: its default and its meaning (also the manual's
+    reference page, vramshare_e2e.reference_docs)."""
+    lines = ["| value | default | meaning |", "|---|---|---|"]
     for dotted, description in documented_values(text):
         default, meaning = _default(values, dotted).replace("|", r"\|"), description.replace("|", r"\|")
         lines.append(f"| `{dotted}` | `{default}` | {meaning} |")
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def main(argv: list[str] | None = None) -> None:

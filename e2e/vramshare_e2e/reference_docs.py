@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import ast
 import inspect
-import json
 import sys
 import textwrap
 from collections.abc import Callable, Iterator
@@ -30,7 +29,7 @@ from prometheus_client.metrics import MetricWrapperBase
 
 from vramshare.controller.metrics import ControllerMetrics
 from vramshare.controller.settings import ControllerSettings
-from vramshare_e2e.chart_docs import CHART, documented_values
+from vramshare_e2e.chart_docs import CHART, values_table
 from vramshare_webhook.metrics import WebhookMetrics
 from vramshare_webhook.settings import WebhookSettings
 
@@ -238,15 +237,8 @@ def values_page(chart: Path = CHART) -> str:
         "Every value of `charts/vramshare`, with its default and its meaning, from the comments in",
         "`values.yaml`. `values.schema.json` refuses wrong types and unknown keys at install.",
         "",
-        "| value | default | meaning |",
-        "|---|---|---|",
+        *values_table(text, values),
     ]
-    for dotted, description in documented_values(text):
-        value: Any = values
-        for part in dotted.split("."):
-            value = value[part]
-        default = json.dumps(value, separators=(", ", ": ")).replace("|", r"\|")
-        lines.append(f"| `{dotted}` | `{default}` | {_cell(description)} |")
     return "\n".join(lines) + "\n"
 
 

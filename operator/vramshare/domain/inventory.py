@@ -173,7 +173,9 @@ def observe(
             state, message = DeviceState.READY, "fresh DCGM sample"
         if state is not DeviceState.MISSING and gpu.node in not_shared:
             state, message = DeviceState.NOT_SHARED, not_shared[gpu.node]
-        gpu = replace(gpu, not_shared=not_shared.get(gpu.node, "") if state is DeviceState.NOT_SHARED else "")
+        reason = not_shared.get(gpu.node, "") if state is DeviceState.NOT_SHARED else ""
+        if gpu.not_shared != reason:  # a copy only when it changes: this runs for every GPU every poll
+            gpu = replace(gpu, not_shared=reason)
         if rejected and state is not DeviceState.MISSING:
             message = f"{message}; {rejected}"
         if gpu.mig_enabled and state is not DeviceState.MISSING:
