@@ -7,11 +7,12 @@
 #   real nodes:    kubelet (with the control plane), containerd + shim + ctr, runc (cgo, seccomp),
 #                  the CNI loopback plugin and ours (cni-loopback), crictl, pause, NVIDIA's container
 #                  runtime and nvidia-ctk (nvidia-container-toolkit), and its NRI plugin
-#                  (nvidia-cdi-nri)
+#                  (nvidia-cdi-nri), NVIDIA's device plugin (nvidia-device-plugin) and the mock NVML it runs
+#                  on (mock-nvml: libnvidia-ml.so.1, C, compiled against go-nvml's nvml.h)
 #
 # Usage: e2e/tools/build.sh [tool...]
 #   (tools: etcd kubernetes kwok kueue helm krew containerd runc cni crictl pause cni-loopback nvidia-toolkit
-#    nvidia-cdi-nri; default: all)
+#    nvidia-cdi-nri nvidia-device-plugin mock-nvml; default: all)
 # Prints nothing on stdout but the bin directory on its last line, so callers can capture it.
 set -euo pipefail
 
@@ -77,6 +78,13 @@ build_one() {
     nvidia-cdi-nri)
       # NVIDIA's NRI plugin (the toolkit's nri package), the GPU Operator's cdi.nriPluginEnabled.
       packages=(vramshare.io/e2e/tools/nvidia-cdi-nri); outputs=(nvidia-cdi-nri); cgo=0;;
+    nvidia-device-plugin)
+      # cgo: it dlopens libnvidia-ml.so.1 (the mock NVML on the real nodes).
+      ldflags="-X github.com/NVIDIA/k8s-device-plugin/internal/info.version=$(pinned nvidia-device-plugin github.com/NVIDIA/k8s-device-plugin)"
+      packages=(github.com/NVIDIA/k8s-device-plugin/cmd/nvidia-device-plugin); outputs=(nvidia-device-plugin)
+      cgo=1;;
+    mock-nvml)
+      build_mock_nvml; return 0;;
     pause)
       packages=(vramshare.io/e2e/tools/pause); outputs=(pause); cgo=0;;  # static: the image has no libc
     cni-loopback)
@@ -137,9 +145,27 @@ build_one() {
   log "built $tool in $((SECONDS - start)) s"
 }
 
+# The mock NVML: a C library, compiled against NVIDIA's nvml.h as go-nvml ships it (the version the
+# wrapper pins), keyed by that version and the source.
+build_mock_nvml() {
+  local dest="$bin_dir/mock-nvml" header_dir key
+  header_dir=$(cd "$here/mock-nvml" && go mod download -json github.com/NVIDIA/go-nvml | awk -F'"' '/"Dir"/ {print $4}')/pkg/nvml
+  key=$( (cat "$here/mock-nvml/go.mod" "$here/mock-nvml/mock_nvml.c"; gcc --version | head -1) | sha256sum | cut -c1-12)
+  local stamp="$bin_dir/.mock-nvml-$key"
+  [[ -f "$stamp" && -f "$dest/libnvidia-ml.so.1" ]] && return 0
+  log "building mock-nvml (libnvidia-ml.so.1) against $header_dir/nvml.h"
+  mkdir -p "$dest"
+  gcc -shared -fPIC -O2 -Wall -Wextra -Werror -fvisibility=hidden -I"$header_dir" \
+    -Wl,-soname,libnvidia-ml.so.1 -o "$dest/libnvidia-ml.so.1.tmp" "$here/mock-nvml/mock_nvml.c"
+  mv -f "$dest/libnvidia-ml.so.1.tmp" "$dest/libnvidia-ml.so.1"
+  rm -f "$bin_dir/.mock-nvml-"*
+  touch "$stamp"
+  log "built mock-nvml"
+}
+
 mkdir -p "$bin_dir"
 tools=("$@")
 [[ ${#tools[@]} -gt 0 ]] || tools=(etcd kubernetes kwok helm krew containerd runc cni crictl pause cni-loopback nvidia-toolkit
-                                   nvidia-cdi-nri kueue)
+                                   nvidia-cdi-nri nvidia-device-plugin mock-nvml kueue)
 for t in "${tools[@]}"; do build_one "$t"; done
 echo "$bin_dir"

@@ -14,77 +14,35 @@ the cgroupfs driver (no systemd), root.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import subprocess
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
 
 from vramshare_e2e.cluster import LocalCluster
+from vramshare_e2e.fleet import FakeGpu
+from vramshare_e2e.node_gpus import (
+    DevicePluginSetup,
+    MountNamespace,
+    cdi_spec,
+    device_plugin_argv,
+    device_plugin_env,
+    write_cdi_spec,
+    write_mock_gpus,
+)
 from vramshare_e2e.node_images import (
     PAUSE_IMAGE,
     node_images,
 )
+from vramshare_e2e.node_network import claim_address, node_address, release_address
 from vramshare_e2e.ports import free_port
 from vramshare_e2e.process import ClusterError, Component
-from vramshare_e2e.tools import images_cache, node_bin, tools_bin_dir
-
-NODE_NETWORK = "198.18.0.0/15"
-"""Where node addresses come from: the range set aside for benchmarking networks (RFC 2544), so no
-real network here uses it. Each node's address is put on this machine's loopback interface, for its
-kubelet and its hostNetwork pods: Endpoints and EndpointSlices refuse 127.0.0.0/8 addresses, so a
-webhook on a node with a 127.x address could never be called through its Service. Beside them an
-`unreachable` route for the whole range: a packet for a node address that is not (or no longer) on
-loopback is refused here instead of leaving the machine by the default route."""
-
-
-def node_address(number: int) -> str:
-    if not 2 <= number <= 254:
-        raise ValueError(f"node number must be 2..254 (the address 198.18.0.N), not {number}")
-    return f"198.18.0.{number}"
-
-
-def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    result = subprocess.run(["ip", *args], capture_output=True, text=True, check=False)
-    if check and result.returncode != 0:
-        raise ClusterError(f"ip {' '.join(args)} failed: {result.stderr.strip()}")
-    return result
-
-
-def claim_address(address: str) -> None:
-    """Put `address` on loopback, behind the guard route (both idempotent, parallel-safe)."""
-    if os.geteuid() != 0:
-        raise ClusterError("a real node needs root: its address goes on the loopback interface")
-    with _network_lock():
-        if "unreachable 198.18.0.0/15" not in _ip("route", "show", "type", "unreachable").stdout:
-            _ip("route", "add", "unreachable", NODE_NETWORK)
-        if f"inet {address}/32" not in _ip("-4", "addr", "show", "dev", "lo").stdout:
-            _ip("addr", "add", f"{address}/32", "dev", "lo")
-        route = _ip("route", "get", address).stdout
-        if not route.startswith(f"local {address} dev lo"):
-            raise ClusterError(f"{address} is not local after putting it on loopback: {route.strip()}")
-
-
-def release_address(address: str) -> None:
-    """Take `address` off loopback; the guard route goes with the last node address."""
-    with _network_lock():
-        _ip("addr", "del", f"{address}/32", "dev", "lo", check=False)
-        if "inet 198.18." not in _ip("-4", "addr", "show", "dev", "lo").stdout:
-            _ip("route", "del", "unreachable", NODE_NETWORK, check=False)
-
-
-@contextlib.contextmanager
-def _network_lock() -> Iterator[None]:
-    path = images_cache().parent / ".node-network.lock"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        yield
+from vramshare_e2e.tools import node_bin, tools_bin_dir
 
 
 @dataclass
@@ -100,10 +58,16 @@ class RealNode:
     kubelet_port: int
     healthz_port: int
     labels: dict[str, str]
+    device_plugin: DevicePluginSetup | None = None
+    """NVIDIA's device plugin on the node's mock NVML (`vramshare_e2e.node_gpus`), or none."""
+    namespace: MountNamespace | None = field(default=None, init=False)
 
     @classmethod
-    def create(cls, cluster: LocalCluster, number: int = 2) -> RealNode:
-        """Node 198.18.0.`number`, with the GPU labels of the fleet's node of that name, if any."""
+    def create(
+        cls, cluster: LocalCluster, number: int = 2, *, device_plugin: DevicePluginSetup | None = None
+    ) -> RealNode:
+        """Node 198.18.0.`number`, with the GPU labels of the fleet's node of that name, if any; with
+        `device_plugin`, NVIDIA's device plugin hands its GPUs out too."""
         name = node_address(number)
         root = cluster.workdir / f"node-{name}"
         root.mkdir(parents=True, exist_ok=True)
@@ -121,6 +85,7 @@ class RealNode:
             kubelet_port=free_port(),
             healthz_port=free_port(),
             labels={**labels, "vramshare-e2e/real-node": "true"},
+            device_plugin=device_plugin,
         )
 
     @property
@@ -241,23 +206,15 @@ spec-dirs = ["{self.root / "cdi"}"]
         path.write_text(config)
         return path
 
-    def _cdi_spec(self) -> Path:
-        """The node's fake GPUs as nvidia-ctk names them: by index, by UUID, and `all`. A device's edits
-        give the container `VRAMSHARE_FAKE_GPU_<index>=<UUID>`: what it really got, for its log to tell
-        (there is no GPU, so no device node)."""
+    @property
+    def gpus(self) -> list[FakeGpu]:
         fleet_node = next((n for n in self.cluster.settings.fleet.nodes if n.name == self.name), None)
-        gpus = fleet_node.gpus if fleet_node else []
-        edits = {g.uuid: {"env": [f"VRAMSHARE_FAKE_GPU_{g.index}={g.uuid}"]} for g in gpus}
-        devices = [{"name": str(g.index), "containerEdits": edits[g.uuid]} for g in gpus]
-        devices += [{"name": g.uuid, "containerEdits": edits[g.uuid]} for g in gpus]
-        devices.append(
-            {"name": "all", "containerEdits": {"env": [e for g in gpus for e in edits[g.uuid]["env"]]}}
-        )
-        spec = {"cdiVersion": "0.6.0", "kind": "nvidia.com/gpu", "devices": devices}
-        path = self.root / "cdi" / "nvidia.com-gpu.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(spec, indent=2))
-        return path
+        return list(fleet_node.gpus) if fleet_node else []
+
+    @property
+    def mock_gpus(self) -> Path:
+        """The node's GPU files, as the mock NVML reads them (`vramshare_e2e.node_gpus`)."""
+        return self.root / "mock-nvml"
 
     def _kubelet_config(self) -> Path:
         config = {
@@ -318,7 +275,11 @@ spec-dirs = ["{self.root / "cdi"}"]
         for cgroup in self._cgroups():
             cgroup.mkdir(exist_ok=True)
         bin_dir = tools_bin_dir()
-        self._cdi_spec()
+        mock = write_mock_gpus(self.mock_gpus, self.gpus) if self.device_plugin is not None else None
+        write_cdi_spec(self.root / "cdi", cdi_spec(self.gpus, mock_gpus=mock))
+        self.namespace = namespace = MountNamespace.create(
+            path=self.root / "mount-namespace", device_plugins=self.root / "device-plugins"
+        )
         env = {
             **os.environ,
             "PATH": f"{bin_dir}:{os.environ.get('PATH', '')}",
@@ -327,7 +288,9 @@ spec-dirs = ["{self.root / "cdi"}"]
         }
         containerd = Component(
             name=f"containerd-{self.name}",
-            argv=[node_bin("containerd"), f"--config={self._containerd_config()}", "--log-level=warn"],
+            argv=namespace.enter(
+                [node_bin("containerd"), f"--config={self._containerd_config()}", "--log-level=warn"]
+            ),
             log_path=self.cluster.logs_dir / f"containerd-{self.name}.log",
             ready=lambda: self.socket.exists() and self._ctr("version").returncode == 0,
             env=env,
@@ -349,23 +312,53 @@ spec-dirs = ["{self.root / "cdi"}"]
                 raise ClusterError(f"ctr images import {tarball.name} failed: {result.stderr.strip()}")
         kubelet = Component(
             name=f"kubelet-{self.name}",
-            argv=[
-                node_bin("kubelet"),
-                f"--config={self._kubelet_config()}",
-                f"--kubeconfig={self.cluster.kubeconfig}",
-                f"--hostname-override={self.name}",
-                f"--node-ip={self.name}",
-                f"--root-dir={self.root / 'kubelet'}",
-                f"--cert-dir={self.root / 'kubelet-pki'}",
-                "--node-labels=" + ",".join(f"{k}={v}" for k, v in sorted(self.labels.items())),
-                "--v=1",
-            ],
+            argv=namespace.enter(
+                [
+                    node_bin("kubelet"),
+                    f"--config={self._kubelet_config()}",
+                    f"--kubeconfig={self.cluster.kubeconfig}",
+                    f"--hostname-override={self.name}",
+                    f"--node-ip={self.name}",
+                    f"--root-dir={self.root / 'kubelet'}",
+                    f"--cert-dir={self.root / 'kubelet-pki'}",
+                    "--node-labels=" + ",".join(f"{k}={v}" for k, v in sorted(self.labels.items())),
+                    "--v=1",
+                ]
+            ),
             log_path=self.cluster.logs_dir / f"kubelet-{self.name}.log",
             ready=self._node_ready,
             env=env,
         )
         self.cluster.add_component(kubelet, ready_timeout_s=timeout_s)
+        if self.device_plugin is not None and mock is not None:
+            config = self.root / "nvidia-device-plugin.yaml"
+            config.write_text(self.device_plugin.config())
+            self.cluster.add_component(
+                Component(
+                    name=self.device_plugin_component,
+                    argv=device_plugin_argv(namespace, config=config),
+                    log_path=self.cluster.logs_dir / f"nvidia-device-plugin-{self.name}.log",
+                    ready=lambda: self.advertised_gpus() == len(self.gpus) * self.device_plugin_replicas,
+                    env=device_plugin_env(mock),
+                ),
+                ready_timeout_s=timeout_s,
+            )
         return time.monotonic() - started
+
+    @property
+    def device_plugin_component(self) -> str:
+        return f"nvidia-device-plugin-{self.name}"
+
+    @property
+    def device_plugin_replicas(self) -> int:
+        return self.device_plugin.replicas if self.device_plugin is not None else 0
+
+    def advertised_gpus(self) -> int:
+        """`nvidia.com/gpu` in the Node's allocatable (0 while the device plugin has not registered)."""
+        with contextlib.suppress(ClusterError, ValueError):
+            node = json.loads(self.cluster.kubectl("get", "node", self.name, "-o", "json"))
+            return int(node.get("status", {}).get("allocatable", {}).get("nvidia.com/gpu", "0"))
+        return 0
 
     def tag_image(self, source: str, target: str) -> None:
         """A second name for an imported image (an upgrade to a new tag, with no registry to push to)."""
@@ -386,6 +379,8 @@ spec-dirs = ["{self.root / "cdi"}"]
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, 9)
         time.sleep(0.2)
+        if self.namespace is not None:  # every process in it gone: its mounts go with it
+            self.namespace.remove()
         for mount in sorted(self._mounts(), key=len, reverse=True):
             subprocess.run(["umount", "-l", mount], check=False, capture_output=True)
         for cgroup in self._cgroups(unified=True):

@@ -20,7 +20,8 @@ from vramshare_e2e.cluster import ClusterSettings, LocalCluster
 from vramshare_e2e.credentials import WEBHOOK_CLIENT
 from vramshare_e2e.fleet import FakeGpu, FakeNode, Fleet, default_fleet, stable_gpu_uuid
 from vramshare_e2e.image import ProductImage, product_image
-from vramshare_e2e.node import RealNode, node_address
+from vramshare_e2e.node import RealNode
+from vramshare_e2e.node_network import node_address
 from vramshare_e2e.process import ClusterError, say
 from vramshare_e2e.tools import images_cache
 
