@@ -33,8 +33,8 @@ from vramshare_e2e.airflow import prepare
 from vramshare_e2e.cluster import RUN_DURATION_ANNOTATION, LocalCluster
 from vramshare_e2e.fleet import stable_gpu_uuid
 from vramshare_e2e.image import ProductImage
-from vramshare_e2e.node import node_address
 from vramshare_e2e.node_images import TASK_IMAGE
+from vramshare_e2e.node_network import node_address
 from vramshare_e2e.process import eventually
 from vramshare_e2e.real_cluster import (
     CHART,

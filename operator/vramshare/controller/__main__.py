@@ -106,7 +106,7 @@ async def run(settings: ControllerSettings) -> None:
                 await elector.acquire()
                 metrics.leader.set(1)
                 try:
-                    state = ClusterState(kube)
+                    state = ClusterState(kube, namespace=settings.namespace)
                     inventory = InventoryLoop(
                         kube=kube,
                         source=source,

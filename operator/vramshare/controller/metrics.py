@@ -153,6 +153,27 @@ class ControllerMetrics:
             buckets=(1, 5, 15, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200),
             registry=self.registry,
         )
+        self.holders = Gauge(
+            "vramshare_gpu_holders",
+            "Holder pods by state (Acquiring, Holding, Leaving): GPUs vramshare holds through NVIDIA's "
+            "device plugin to share them.",
+            ["state"],
+            registry=self.registry,
+        )
+        self.holds_acquired = Counter(
+            "vramshare_gpu_holds_acquired", "Holder pods created.", registry=self.registry
+        )
+        self.holds_released = Counter(
+            "vramshare_gpu_holds_released",
+            "Holder pods deleted after idle_release_s with nothing booked (the GPU given back).",
+            registry=self.registry,
+        )
+        self.holds_lost = Counter(
+            "vramshare_gpu_holds_lost",
+            "Held GPUs with bookings on them whose holder went (deleted, evicted, preempted, node "
+            "drained): the device plugin may hand them out; the bookings stay and are reported.",
+            registry=self.registry,
+        )
         self.leader = Gauge(
             "vramshare_controller_leader", "1 while this replica holds the lease.", registry=self.registry
         )
@@ -167,3 +188,4 @@ class ControllerMetrics:
         self.pool_slots.clear()
         self.unschedulable_pods.set(0)
         self.queued.set(0)
+        self.holders.clear()

@@ -13,7 +13,9 @@ from vramshare.controller.leader import LeaseTiming
 from vramshare.dcgm_series import valid_node_label
 from vramshare.domain import Accounting, AllocationSettings, Policy, QueueSettings
 from vramshare.domain.delivery_judgement import MODES
+from vramshare.domain.holds import HoldSettings
 from vramshare.domain.inventory import InventorySettings
+from vramshare.domain.ownership import DevicePluginGpus
 from vramshare.domain.pools import PoolBasis, PoolRule
 from vramshare.kube.heartbeat import DEFAULT_CONTROLLER_LEASE
 from vramshare.kube.resources import MEMORY_RESOURCE, is_extended_resource_name, is_object_name
@@ -123,6 +125,30 @@ class ControllerSettings:
     """A file with the user's password (the chart mounts controller.airflowPool.credentialsSecret)."""
     airflow_ca_file: str = ""
     """An https API server is verified against this CA bundle (default: the system's CAs)."""
+    device_plugin_gpus: DevicePluginGpus = DevicePluginGpus.HOLD
+    """On a node where NVIDIA's device plugin advertises nvidia.com/gpu (and that is not dedicated to
+    vramshare by a label): hold, share the GPUs vramshare holds through the plugin (holder pods in its
+    namespace, requesting nvidia.com/gpu: 1 each); exclude, share none of them."""
+    holder_image: str = ""
+    """The holder pods' image (the chart sets vramshare's own). Empty: no holders are made, and GPUs the
+    device plugin hands out are not shared."""
+    holder_service_account: str = ""
+    """The holder pods' ServiceAccount: each writes its GPU's UUID on itself (get and patch on pods in
+    the controller's namespace)."""
+    holder_priority_class: str = ""
+    """The holder pods' PriorityClass (the chart's own: it preempts no one)."""
+    holder_runtime_class: str = ""
+    """The holder pods' RuntimeClass, the one that gives a container its GPU (NVIDIA's runtime, as for
+    device-plugin pods on the cluster). Empty: the node's default runtime."""
+    holders_min_idle_per_node: int = 1
+    """Held GPUs with nothing booked kept on each node; a booking on the last of them acquires another."""
+    holders_max_per_node: int = 0
+    """At most this many holders on a node (0: every GPU its device plugin advertises)."""
+    holders_max: int = 0
+    """At most this many holders in the cluster (0: no limit)."""
+    holders_idle_release_s: float = 300.0
+    """A held GPU beyond the idle minimum is given back to the device plugin after this long with
+    nothing booked on it."""
     namespace: str = "vramshare"
     """The controller's own namespace (its Lease, its events); the chart sets it from the pod."""
     lease_name: str = DEFAULT_CONTROLLER_LEASE
@@ -205,6 +231,15 @@ class ControllerSettings:
         )
 
     @property
+    def holds(self) -> HoldSettings:
+        return HoldSettings(
+            min_idle_per_node=self.holders_min_idle_per_node,
+            max_per_node=self.holders_max_per_node,
+            max_total=self.holders_max,
+            idle_release_s=self.holders_idle_release_s,
+        )
+
+    @property
     def inventory(self) -> InventorySettings:
         return InventorySettings(
             accounting=self.accounting,
@@ -243,6 +278,14 @@ class ControllerSettings:
             raise invalid(
                 "never_created_kept_per_namespace", self.never_created_kept_per_namespace, "0 or more"
             )
+        for name in ("holders_min_idle_per_node", "holders_max_per_node", "holders_max"):
+            if getattr(self, name) < 0:
+                raise invalid(name, getattr(self, name), "a whole number of 0 or more")
+        if self.holders_idle_release_s < 0:
+            raise invalid("holders_idle_release_s", self.holders_idle_release_s, "0 or more seconds")
+        for name in ("holder_service_account", "holder_priority_class", "holder_runtime_class"):
+            if getattr(self, name) and not is_object_name(getattr(self, name)):
+                raise invalid(name, getattr(self, name), "empty or an object name (lower case, digits, -, .)")
         if self.queue_positions_shown < 1:
             raise invalid("queue_positions_shown", self.queue_positions_shown, "a whole number of 1 or more")
         if self.delivery_mode not in MODES:

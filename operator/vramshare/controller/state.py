@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import asyncio
 
+from vramshare.domain.holds import Holder
 from vramshare.domain.scheduling import NodeView
 from vramshare.kube.client import KubeClient, Obj
+from vramshare.kube.holders import HOLDER_SELECTOR, holder_from_wire
 from vramshare.kube.objects import GpuDevice, GpuReservation
 from vramshare.kube.pods import node_view
-from vramshare.kube.resources import LABEL_RESERVATION, devices_path, reservations_path
+from vramshare.kube.resources import LABEL_RESERVATION, devices_path, pods_path, reservations_path
 from vramshare.kube.watch import WatchCache
 
 
@@ -24,7 +26,7 @@ def _pod(obj: Obj) -> Obj:
 
 
 class ClusterState:
-    def __init__(self, kube: KubeClient) -> None:
+    def __init__(self, kube: KubeClient, *, namespace: str = "vramshare") -> None:
         self.devices: WatchCache[GpuDevice] = WatchCache(
             kube, devices_path(), decode=GpuDevice.from_wire, name="gpudevices"
         )
@@ -42,7 +44,16 @@ class ClusterState:
             name="namespaces",
         )
         """Namespace labels: each namespace's weight in the queue's fair share."""
-        self._caches = (self.devices, self.reservations, self.nodes, self.pods, self.namespaces)
+        self.holders: WatchCache[Holder] = WatchCache(
+            kube,
+            # Only there: a pod elsewhere with the same labels is a tenant's, and holds nothing for us.
+            pods_path(namespace),
+            decode=holder_from_wire,
+            label_selector=HOLDER_SELECTOR,
+            name="holders",
+        )
+        """The holder pods in the controller's namespace (`vramshare.domain.holds`)."""
+        self._caches = (self.devices, self.reservations, self.nodes, self.pods, self.namespaces, self.holders)
 
     async def run(self) -> None:
         await asyncio.gather(*(c.run() for c in self._caches))

@@ -14,13 +14,14 @@ turn memory a pod grew into headroom.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
 from vramshare.domain.accounting import Accounting, StaleGpuMode
 from vramshare.domain.headroom import Headroom, headroom
 from vramshare.domain.models import Gpu, MigInstance, Reservation, mig_summary
+from vramshare.domain.ownership import Ownership
 
 
 class DeviceState(StrEnum):
@@ -124,15 +125,14 @@ def observe(
     nodes: set[str] | None,
     now: float,
     settings: InventorySettings,
-    not_shared: Mapping[str, str] | None = None,
+    ownership: Ownership | None = None,
 ) -> list[DeviceStatus]:
     """The status of every GPU, known or newly sampled, after this reading.
 
     `nodes` are the Kubernetes nodes that exist (None when unknown: then no GPU is judged gone for
-    lack of a node). `not_shared`: node -> why vramshare may not share its GPUs (see
-    `vramshare.domain.ownership`).
+    lack of a node). `ownership`: why vramshare may not share a GPU (see `vramshare.domain.ownership`).
     """
-    not_shared = not_shared or {}
+    ownership = ownership or Ownership()
     accounting = settings.accounting
     max_age = accounting.max_sample_age_s
     sampled = {s.uuid: s for s in samples}
@@ -171,9 +171,10 @@ def observe(
             message = f"latest sample is {age:.0f} s old (max {max_age:g} s)"
         else:
             state, message = DeviceState.READY, "fresh DCGM sample"
-        if state is not DeviceState.MISSING and gpu.node in not_shared:
-            state, message = DeviceState.NOT_SHARED, not_shared[gpu.node]
-        reason = not_shared.get(gpu.node, "") if state is DeviceState.NOT_SHARED else ""
+        why_not = ownership.reason(node=gpu.node, uuid=uuid)
+        if state is not DeviceState.MISSING and why_not:
+            state, message = DeviceState.NOT_SHARED, why_not
+        reason = why_not if state is DeviceState.NOT_SHARED else ""
         if gpu.not_shared != reason:  # a copy only when it changes: this runs for every GPU every poll
             gpu = replace(gpu, not_shared=reason)
         if rejected and state is not DeviceState.MISSING:

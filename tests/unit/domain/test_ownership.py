@@ -14,7 +14,13 @@ from tests.unit.domain.test_inventory import SETTINGS, sample
 from vramshare.domain import AllocationRequest, AllocationSettings, Refusal, choose
 from vramshare.domain.inventory import DeviceState, observe
 from vramshare.domain.messages import refusal_message
-from vramshare.domain.ownership import DEDICATED_LABEL, GPU_OPERATOR_PLUGIN_LABEL, NodeGpus, not_shared
+from vramshare.domain.ownership import (
+    DEDICATED_LABEL,
+    GPU_OPERATOR_PLUGIN_LABEL,
+    NodeGpus,
+    not_shared,
+    ownership,
+)
 
 
 @given(
@@ -39,7 +45,8 @@ def test_a_node_is_not_vramshares_where_the_device_plugin_advertises_gpus_and_it
 
 
 def test_gpus_on_such_a_node_are_not_shared_with_no_headroom_and_a_reason() -> None:
-    why = not_shared([NodeGpus(name="node-b", labels={}, allocatable={"nvidia.com/gpu": "2"})])
+    owned = ownership([NodeGpus(name="node-b", labels={}, allocatable={"nvidia.com/gpu": "2"})])
+    why = owned.nodes
     statuses = observe(
         known=[],
         samples=[sample("GPU-1", node="node-a"), sample("GPU-2", node="node-b")],
@@ -47,7 +54,7 @@ def test_gpus_on_such_a_node_are_not_shared_with_no_headroom_and_a_reason() -> N
         nodes={"node-a", "node-b"},
         now=NOW,
         settings=SETTINGS,
-        not_shared=why,
+        ownership=owned,
     )
     by_uuid = {s.gpu.uuid: s for s in statuses}
     assert by_uuid["GPU-1"].state is DeviceState.READY

@@ -21,6 +21,7 @@ from vramshare.controller.delivery_preflight import DeliveryPreflight
 from vramshare.controller.devices.reporting import InventoryReport, PollSteps
 from vramshare.controller.devices.write_policy import WRITES_IN_FLIGHT, RefreshBudget, refresh_budget
 from vramshare.controller.devices.writer import DeviceWriter
+from vramshare.controller.holds import HoldKeeper
 from vramshare.controller.metrics import ControllerMetrics
 from vramshare.controller.settings import ControllerSettings
 from vramshare.controller.state import ClusterState
@@ -36,7 +37,6 @@ from vramshare.domain.inventory import (
     observe,
     to_forget,
 )
-from vramshare.domain.ownership import NodeGpus, not_shared
 from vramshare.kube.client import KubeClient
 from vramshare.prometheus import DcgmSource, PrometheusUnavailableError
 
@@ -79,6 +79,7 @@ class InventoryLoop:
         self.outage: str | None = None
         self.preflight = DeliveryPreflight(kube=kube, settings=settings, state=state)
         self.capacity = NodeCapacity(kube=kube, state=state, resource=settings.memory_resource)
+        self.holds = HoldKeeper(kube=kube, state=state, settings=settings, metrics=metrics)
 
     async def _reading(self) -> DcgmReading | None:
         try:
@@ -107,10 +108,6 @@ class InventoryLoop:
         reservations = [r.to_domain() for r in self.state.reservations.items.values() if r.phase.is_active]
         node_views = list(self.state.nodes.items.values())
         nodes = {n.name for n in node_views}
-        # Nodes whose GPUs NVIDIA's device plugin hands out (and not dedicated to vramshare): not shared.
-        foreign = not_shared(
-            NodeGpus(name=n.name, labels=n.labels, allocatable=n.extended) for n in node_views
-        )
         now = self.clock()
         by_uuid = {d.spec.uuid: d for d in devices}
         known = []
@@ -122,6 +119,12 @@ class InventoryLoop:
                 seen = max(device.status.last_seen_at, self.writer.last_seen.get(gpu.uuid, 0.0))
                 known.append(Known(gpu=gpu, last_seen_at=seen, drift=self._drift.get(gpu.uuid)))
         samples, strangers = InventoryReport.on_kubernetes_nodes(reading.samples if reading else [], nodes)
+        # GPUs NVIDIA's device plugin hands out are shared only where vramshare holds them (or the node
+        # is dedicated to it): see vramshare.domain.ownership.
+        gpus_seen: dict[str, int] = defaultdict(int)
+        for node in ({k.gpu.uuid: k.gpu.node for k in known} | {s.uuid: s.node for s in samples}).values():
+            gpus_seen[node] += 1
+        owned = self.holds.ownership(node_views, gpus_seen=gpus_seen)
         statuses = observe(
             known=known,
             samples=samples,
@@ -129,7 +132,7 @@ class InventoryLoop:
             nodes=nodes,
             now=now,
             settings=self.settings.inventory,
-            not_shared=foreign,
+            ownership=owned,
         )
         drifting = self.report.totals(statuses, known)
         self._drift = {j.gpu.uuid: j.drift for j in statuses if j.drift is not None}
@@ -183,6 +186,7 @@ class InventoryLoop:
                 ):
                     landed.add(judged.gpu.uuid)
 
+        await self.holds.keep(owned=owned, nodes=node_views, reservations=reservations, now=now)
         step.done("judge")
         outcomes = await asyncio.gather(*(keep(j) for j in ordered), return_exceptions=True)
         step.done("write")

@@ -1,0 +1,68 @@
+"""The holder pod on the wire and its process's one decision (issue #43): a holder holds once it runs
+with the UUID NVML showed it written on itself, and holds nothing while leaving or placed elsewhere."""
+
+from __future__ import annotations
+
+import pytest
+
+from vramshare.domain.holds import HolderState
+from vramshare.holder import NoSingleGpuError, the_gpu
+from vramshare.kube.holders import ANNOTATION_HELD_GPU, LABEL_HOLDER_NODE, holder_from_wire, holder_pod
+
+
+def pod(
+    *, phase: str = "Running", uuid: str | None = "GPU-1", node: str = "n1", deleting: bool = False
+) -> dict[str, object]:
+    made = holder_pod(
+        node="n1", image="vramshare:1", service_account="sa", priority_class="pc", runtime_class="nvidia"
+    )
+    meta = dict(made["metadata"], name="vramshare-hold-abc", creationTimestamp="2026-12-06T00:00:00Z")
+    if uuid is not None:
+        meta["annotations"] = {ANNOTATION_HELD_GPU: uuid}
+    if deleting:
+        meta["deletionTimestamp"] = "2026-12-06T00:01:00Z"
+    return {**made, "metadata": meta, "spec": {**made["spec"], "nodeName": node}, "status": {"phase": phase}}
+
+
+def test_the_holder_pod_asks_the_device_plugin_for_one_gpu_on_its_node_only() -> None:
+    made = holder_pod(
+        node="n1", image="vramshare:1", service_account="sa", priority_class="pc", runtime_class="nvidia"
+    )
+    container = made["spec"]["containers"][0]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert made["metadata"]["labels"][LABEL_HOLDER_NODE] == "n1"
+    terms = made["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert terms["nodeSelectorTerms"][0]["matchFields"][0]["values"] == ["n1"]
+    assert made["spec"]["runtimeClassName"] == "nvidia"
+    assert made["spec"]["priorityClassName"] == "pc"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "state"),
+    [
+        ({}, HolderState.HOLDING),
+        ({"uuid": None}, HolderState.ACQUIRING),
+        ({"phase": "Pending", "uuid": None}, HolderState.ACQUIRING),
+        ({"uuid": "not-a-uuid"}, HolderState.ACQUIRING),
+        ({"deleting": True}, HolderState.LEAVING),
+        ({"phase": "Failed"}, HolderState.LEAVING),
+        ({"node": "n2"}, HolderState.LEAVING),
+    ],
+)
+def test_a_holder_holds_only_running_on_its_node_with_its_gpu_written(
+    kwargs: dict[str, object], state: HolderState
+) -> None:
+    read = holder_from_wire(pod(**kwargs))  # type: ignore[arg-type]
+    assert read.state is state
+    assert read.node == "n1"
+    assert read.name == "vramshare-hold-abc"
+
+
+def test_the_holder_holds_exactly_one_gpu_or_says_what_it_saw() -> None:
+    assert the_gpu(["GPU-1"]) == "GPU-1"
+    with pytest.raises(NoSingleGpuError, match="NVML shows 2 GPUs here"):
+        the_gpu(["GPU-1", "GPU-2"])
+    with pytest.raises(NoSingleGpuError, match="shows 0 GPUs here \\(none\\)"):
+        the_gpu([])
+    with pytest.raises(NoSingleGpuError):
+        the_gpu(["MIG-1"])
