@@ -60,6 +60,7 @@ app.kubernetes.io/component: {{ .component }}
 
 {{- define "vramshare.webhookName" -}}{{ include "vramshare.fullname" . }}-webhook{{- end -}}
 {{- define "vramshare.controllerName" -}}{{ include "vramshare.fullname" . }}-controller{{- end -}}
+{{- define "vramshare.holderName" -}}{{ include "vramshare.fullname" . }}-gpu-holder{{- end -}}
 {{- define "vramshare.tlsSecret" -}}
 {{- if eq .Values.webhook.tls.mode "secret" -}}{{ required "webhook.tls.existingSecret is required in the secret TLS mode" .Values.webhook.tls.existingSecret }}{{- else -}}{{ include "vramshare.webhookName" . }}-tls{{- end -}}
 {{- end -}}

@@ -110,6 +110,9 @@ class HoldKeeper:
             service_account=self.settings.holder_service_account,
             priority_class=self.settings.holder_priority_class,
             runtime_class=self.settings.holder_runtime_class,
+            pull_policy=self.settings.holder_image_pull_policy,
+            host_network=self.settings.holder_host_network,
+            api_server=self.settings.holder_api_server,
         )
         try:
             created = await self.kube.create(pods_path(self.settings.namespace), pod)

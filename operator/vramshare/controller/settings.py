@@ -132,6 +132,13 @@ class ControllerSettings:
     holder_image: str = ""
     """The holder pods' image (the chart sets vramshare's own). Empty: no holders are made, and GPUs the
     device plugin hands out are not shared."""
+    holder_image_pull_policy: str = "IfNotPresent"
+    """The holder pods' imagePullPolicy (Always, IfNotPresent or Never)."""
+    holder_host_network: bool = False
+    """Holder pods on the node's network (where pods have no route to the API server)."""
+    holder_api_server: str = ""
+    """host:port of the API server for holder pods, where pods cannot reach the kubernetes Service
+    (the chart passes global.apiServer). Empty: the Service."""
     holder_service_account: str = ""
     """The holder pods' ServiceAccount: each writes its GPU's UUID on itself (get and patch on pods in
     the controller's namespace)."""
@@ -283,6 +290,14 @@ class ControllerSettings:
                 raise invalid(name, getattr(self, name), "a whole number of 0 or more")
         if self.holders_idle_release_s < 0:
             raise invalid("holders_idle_release_s", self.holders_idle_release_s, "0 or more seconds")
+        if self.holder_image_pull_policy not in ("Always", "IfNotPresent", "Never"):
+            raise invalid(
+                "holder_image_pull_policy", self.holder_image_pull_policy, "Always, IfNotPresent or Never"
+            )
+        if self.holder_api_server and not self.holder_api_server.rpartition(":")[2].isdigit():
+            raise invalid(
+                "holder_api_server", self.holder_api_server, "empty or host:port, e.g. 10.0.0.1:6443"
+            )
         for name in ("holder_service_account", "holder_priority_class", "holder_runtime_class"):
             if getattr(self, name) and not is_object_name(getattr(self, name)):
                 raise invalid(name, getattr(self, name), "empty or an object name (lower case, digits, -, .)")

@@ -52,6 +52,9 @@ def holder_pod(
     service_account: str,
     priority_class: str,
     runtime_class: str,
+    pull_policy: str = "IfNotPresent",
+    host_network: bool = False,
+    api_server: str = "",
 ) -> Obj:
     """A pod that holds one GPU of `node` through the device plugin, as long as it runs."""
     spec: Obj = {
@@ -78,11 +81,19 @@ def holder_pod(
             {
                 "name": "holder",
                 "image": image,
-                "imagePullPolicy": "IfNotPresent",
+                "imagePullPolicy": pull_policy,
                 "command": [HOLDER_COMMAND],
                 "env": [
                     {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
                     {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+                    *(
+                        [
+                            {"name": "KUBERNETES_SERVICE_HOST", "value": api_server.rpartition(":")[0]},
+                            {"name": "KUBERNETES_SERVICE_PORT", "value": api_server.rpartition(":")[2]},
+                        ]
+                        if api_server
+                        else []
+                    ),
                 ],
                 "resources": {
                     "requests": {"cpu": "5m", "memory": "48Mi", "nvidia.com/gpu": "1"},
@@ -102,6 +113,8 @@ def holder_pod(
         spec["priorityClassName"] = priority_class
     if runtime_class:
         spec["runtimeClassName"] = runtime_class
+    if host_network:
+        spec["hostNetwork"] = True
     return {
         "apiVersion": "v1",
         "kind": "Pod",
