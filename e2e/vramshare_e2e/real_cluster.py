@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import subprocess
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +21,7 @@ from vramshare_e2e.credentials import WEBHOOK_CLIENT
 from vramshare_e2e.fleet import FakeGpu, FakeNode, Fleet, default_fleet, stable_gpu_uuid
 from vramshare_e2e.image import ProductImage, product_image
 from vramshare_e2e.node import RealNode
+from vramshare_e2e.node_gpus import DevicePluginSetup
 from vramshare_e2e.node_network import node_address
 from vramshare_e2e.process import ClusterError, say
 from vramshare_e2e.tools import images_cache
@@ -32,9 +33,9 @@ UPGRADE_TAG_SUFFIX = "-upgrade"
 REAL_NODE_LABEL = "vramshare-e2e/real-node"
 
 
-def real_node_fleet(names: tuple[str, ...]) -> Fleet:
-    """The default kwok fleet plus fake H100 80 GB on the real nodes: one on the first, two on each
-    other (for pods with a GPU set)."""
+def real_node_fleet(names: tuple[str, ...], gpus: Sequence[int] | None = None) -> Fleet:
+    """The default kwok fleet plus fake H100 80 GB on the real nodes: `gpus[n]` on the n-th, by default
+    one on the first, two on each other (for pods with a GPU set)."""
     real = [
         FakeNode(
             name=name,
@@ -47,7 +48,7 @@ def real_node_fleet(names: tuple[str, ...]) -> Fleet:
                     total_mib=81_559,
                     driver_reserved_mib=512,
                 )
-                for index in range(1 if n == 0 else 2)
+                for index in range(gpus[n] if gpus is not None else 1 if n == 0 else 2)
             ],
         )
         for n, name in enumerate(names)
@@ -155,6 +156,8 @@ class RealCluster:
     cluster: LocalCluster
     nodes: list[RealNode]
     image: ProductImage
+    values: Sequence[str] = ()
+    """Chart values beyond `operator_values`."""
     node_ready_s: list[float] = field(default_factory=list)
     install_s: float = 0.0
 
@@ -186,6 +189,7 @@ class RealCluster:
             "--wait",
             "--timeout=300s",
             *operator_values(self.cluster, self.image),
+            *self.values,
         )
         self.install_s = time.monotonic() - started
         return self.install_s
@@ -193,17 +197,29 @@ class RealCluster:
 
 @contextmanager
 def real_cluster(
-    *, nodes: int = 2, managed: tuple[str, ...] = (), labels: Mapping[str, Mapping[str, str]] | None = None
+    *,
+    nodes: int = 2,
+    managed: tuple[str, ...] = (),
+    labels: Mapping[str, Mapping[str, str]] | None = None,
+    gpus: Sequence[int] | None = None,
+    device_plugins: Mapping[int, DevicePluginSetup] | None = None,
+    values: Sequence[str] = (),
 ) -> Iterator[RealCluster]:
-    """A local cluster with `nodes` real nodes (198.18.0.2 and up) and vramshare installed by its chart;
-    `managed` namespaces are created labelled vramshare.io/managed=true, and with `labels[namespace]`.
+    """A local cluster with `nodes` real nodes (198.18.0.2 and up) and vramshare installed by its chart
+    (with `values`); `gpus[n]` fake GPUs on the n-th node; NVIDIA's device plugin on the nodes
+    `device_plugins` numbers; `managed` namespaces are created labelled vramshare.io/managed=true, and
+    with `labels[namespace]`.
     The labels are there from creation: one added afterwards reaches the API server's and the webhook's
     namespace caches a moment later, and a pod created in that moment misses them."""
     image = product_image(images_cache())
     names = tuple(node_address(n) for n in range(2, 2 + nodes))
-    with LocalCluster.start(settings=ClusterSettings(fleet=real_node_fleet(names))) as local:
+    plugins = device_plugins or {}
+    with LocalCluster.start(settings=ClusterSettings(fleet=real_node_fleet(names, gpus))) as local:
         real = RealCluster(
-            cluster=local, nodes=[RealNode.create(local, n) for n in range(2, 2 + nodes)], image=image
+            cluster=local,
+            nodes=[RealNode.create(local, n, device_plugin=plugins.get(n)) for n in range(2, 2 + nodes)],
+            image=image,
+            values=values,
         )
         for node in real.nodes:
             real.node_ready_s.append(node.start(images=[image.archive]))

@@ -1,0 +1,352 @@
+"""vramshare beside NVIDIA's device plugin on real nodes (issue #43): two kubelets with containerd, each
+running NVIDIA's own device plugin (k8s-device-plugin, built from its module) on the mock NVML, and
+vramshare installed by its chart in mode hold. The first node's plugin time-slices its GPU (4 replicas);
+the second hands its three GPUs out whole.
+
+vramshare's holder pods request nvidia.com/gpu: 1 through the scheduler and the plugin, read their GPU
+through NVML in their container (NVIDIA's runtime mounts the mock library and the GPU's file, as it
+mounts the driver's library and device node), and write its UUID on themselves. The tests look from
+outside only: pods, their logs, GpuDevices, events, the Node and a ResourceQuota.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from vramshare.kube.holders import ANNOTATION_HELD_GPU, HOLDER_SELECTOR
+from vramshare.kube.resources import ANNOTATION_GPU_UUID
+from vramshare_e2e.cluster import LocalCluster
+from vramshare_e2e.fleet import stable_gpu_uuid
+from vramshare_e2e.node import RealNode
+from vramshare_e2e.node_gpus import DevicePluginSetup
+from vramshare_e2e.node_images import TASK_IMAGE
+from vramshare_e2e.node_network import node_address
+from vramshare_e2e.process import ClusterError, eventually
+from vramshare_e2e.real_cluster import NAMESPACE, RealCluster, real_cluster
+
+pytestmark = pytest.mark.cluster
+
+SLICED, WHOLE = node_address(2), node_address(3)
+GPUS = {SLICED: [stable_gpu_uuid(SLICED, 0)], WHOLE: [stable_gpu_uuid(WHOLE, i) for i in range(3)]}
+TASKS, OPEN = "tasks", "open"
+"""TASKS is managed (vramshare's GPU tasks); OPEN is not (pods asking NVIDIA's plugin for whole GPUs)."""
+IDLE_RELEASE_S = 15
+
+
+@dataclass
+class Stack:
+    real: RealCluster
+
+    @property
+    def cluster(self) -> LocalCluster:
+        return self.real.cluster
+
+    def node(self, name: str) -> RealNode:
+        return next(n for n in self.real.nodes if n.name == name)
+
+    def get(self, *args: str) -> dict[str, Any]:
+        out: dict[str, Any] = json.loads(self.cluster.kubectl("get", *args, "-o", "json"))
+        return out
+
+    def holders(self) -> list[dict[str, Any]]:
+        items: list[dict[str, Any]] = self.get("pods", "-n", NAMESPACE, "-l", HOLDER_SELECTOR)["items"]
+        return items
+
+    def held(self) -> dict[str, str]:
+        """GPU -> the running holder pod that wrote it on itself."""
+        return {
+            p["metadata"]["annotations"][ANNOTATION_HELD_GPU]: p["metadata"]["name"]
+            for p in self.holders()
+            if p["status"].get("phase") == "Running"
+            and not p["metadata"].get("deletionTimestamp")
+            and ANNOTATION_HELD_GPU in (p["metadata"].get("annotations") or {})
+        }
+
+    def devices(self) -> dict[str, dict[str, Any]]:
+        return {d["spec"]["uuid"]: d.get("status") or {} for d in self.get("gpudevices")["items"]}
+
+    def create(self, obj: dict[str, Any]) -> tuple[bool, str]:
+        try:
+            return True, self.cluster.kubectl("create", "-f", "-", stdin=json.dumps(obj))
+        except ClusterError as exc:
+            return False, str(exc)
+
+    def pod(self, namespace: str, name: str) -> dict[str, Any]:
+        return self.get("pod", "-n", namespace, name)
+
+    def whole_gpu_of(self, name: str) -> str:
+        """The GPU a whole-GPU pod got, as its container printed it (NVIDIA's runtime's CDI edit)."""
+        log = self.cluster.kubectl("logs", "-n", OPEN, name, check=False)
+        return next((line.split("=", 1)[1] for line in log.splitlines() if "VRAMSHARE_FAKE_GPU_" in line), "")
+
+    def report(self) -> str:
+        return self.cluster.kubectl("get", "pods", "-A", "-o", "wide", check=False) + self.cluster.kubectl(
+            "get", "gpudevices", check=False
+        )
+
+
+@pytest.fixture(scope="module")
+def stack() -> Iterator[Stack]:
+    values = [
+        "--set", "controller.gpuHolders.hostNetwork=true",
+        "--set", f"controller.gpuHolders.idleReleaseS={IDLE_RELEASE_S}",
+        "--set", "controller.settings.poll_interval_s=2",
+    ]  # fmt: skip
+    with real_cluster(
+        nodes=2,
+        gpus=[1, 3],
+        device_plugins={2: DevicePluginSetup(replicas=4), 3: DevicePluginSetup()},
+        managed=(TASKS,),
+        values=values,
+    ) as real:
+        real.cluster.kubectl("create", "namespace", OPEN)
+        yield Stack(real=real)
+    left = [thing for node in real.nodes for thing in node.leftovers()]
+    assert not left, f"the real nodes left {len(left)} things behind: {left[:10]}"
+
+
+def whole_gpu_pod(name: str) -> dict[str, Any]:
+    """A pod asking NVIDIA's device plugin for a whole GPU, as a training job or notebook does."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": OPEN},
+        "spec": {
+            "runtimeClassName": "nvidia",
+            "restartPolicy": "Never",
+            "nodeSelector": {"kubernetes.io/hostname": WHOLE},
+            "terminationGracePeriodSeconds": 1,
+            "containers": [
+                {
+                    "name": "job",
+                    "image": TASK_IMAGE,
+                    "imagePullPolicy": "Never",
+                    "command": ["sh", "-c", "env | grep VRAMSHARE_FAKE_GPU_; sleep 3600"],
+                    "resources": {"limits": {"nvidia.com/gpu": "1"}},
+                }
+            ],
+        },
+    }
+
+
+def task(name: str, mib: int) -> dict[str, Any]:
+    """A vramshare GPU task (an Airflow task pod's shape): memory by annotation, no nvidia.com/gpu."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": TASKS, "annotations": {"gpu-mem-mb": str(mib)}},
+        "spec": {
+            "restartPolicy": "Never",
+            "terminationGracePeriodSeconds": 1,
+            "containers": [
+                {
+                    "name": "task",
+                    "image": TASK_IMAGE,
+                    "imagePullPolicy": "Never",
+                    "command": ["sh", "-c", "env | grep VRAMSHARE_FAKE_GPU_; sleep 3600"],
+                }
+            ],
+        },
+    }
+
+
+def booked_gpu(stack: Stack, name: str) -> str:
+    return str(stack.pod(TASKS, name)["metadata"]["annotations"][ANNOTATION_GPU_UUID])
+
+
+def test_vramshare_holds_one_idle_gpu_per_whole_gpu_node_and_the_cluster_counts_it(stack: Stack) -> None:
+    held = eventually(stack.held, what="a GPU held", timeout_s=90, detail=stack.report)
+    assert len(held) == 1, held
+    [uuid] = held
+    assert uuid in GPUS[WHOLE]
+
+    def ready_with_the_rest() -> dict[str, dict[str, Any]] | None:
+        devices = stack.devices()
+        return devices if devices.get(uuid, {}).get("state") == "Ready" else None
+
+    devices = eventually(
+        ready_with_the_rest,
+        what="the held GPU Ready",
+        timeout_s=30,
+        detail=stack.report,
+    )
+    for other in set(GPUS[WHOLE]) - {uuid}:
+        assert devices[other]["state"] == "NotShared"
+        assert devices[other]["message"].startswith("not held: node"), devices[other]["message"]
+    sliced = devices[GPUS[SLICED][0]]
+    assert sliced["state"] == "NotShared"
+    assert "hands each GPU to 4 pods (time-slicing or MPS replicas)" in sliced["message"]
+    assert not [h for h in stack.holders() if h["metadata"]["labels"]["vramshare.io/holder-node"] == SLICED]
+    # The scheduler, kubectl and quotas count the hold: it is an ordinary nvidia.com/gpu pod.
+    described = stack.cluster.kubectl("describe", "node", WHOLE).split("Allocated resources:")[1]
+    assert next(line.split() for line in described.splitlines() if "nvidia.com/gpu" in line)[:3] == [
+        "nvidia.com/gpu",
+        "1",
+        "1",
+    ]
+    stack.cluster.apply_objects(
+        [
+            {
+                "apiVersion": "v1",
+                "kind": "ResourceQuota",
+                "metadata": {"name": "gpus", "namespace": NAMESPACE},
+                "spec": {"hard": {"requests.nvidia.com/gpu": "8"}},
+            }
+        ]
+    )
+    eventually(
+        lambda: (
+            stack.get("resourcequota", "-n", NAMESPACE, "gpus")
+            .get("status", {})
+            .get("used", {})
+            .get("requests.nvidia.com/gpu")
+            == "1"
+        ),
+        what="the ResourceQuota counting the held GPU",
+        timeout_s=30,
+    )
+
+
+def test_whole_gpu_pods_and_tasks_never_share_a_gpu_in_a_burst_of_both(stack: Stack) -> None:
+    """Two whole-GPU jobs and two tasks that each fill a GPU, created at once: the jobs get GPUs
+    vramshare does not hold, the tasks GPUs it holds, never one GPU for both. The second task is refused
+    while its hold is acquired, and admitted on retry: the acquire latency."""
+    results: dict[str, tuple[bool, str]] = {}
+
+    def create(name: str, obj: dict[str, Any]) -> None:
+        results[name] = stack.create(obj)
+
+    threads = [threading.Thread(target=create, args=(f"job-{i}", whole_gpu_pod(f"job-{i}"))) for i in (1, 2)]
+    threads.append(threading.Thread(target=create, args=("task-a", task("task-a", 60_000))))
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert results["task-a"][0], results["task-a"]
+    refused_at, first_refusal = None, ""
+    deadline = time.monotonic() + 120
+    while True:
+        ok, out = stack.create(task("task-b", 60_000))
+        if ok:
+            break
+        refused_at = refused_at or time.monotonic()
+        first_refusal = first_refusal or out
+        assert time.monotonic() < deadline, f"task-b never admitted: {out}\n{stack.report()}"
+        time.sleep(1)
+    latency = time.monotonic() - refused_at if refused_at else 0.0
+    print(
+        f"\nacquire latency: first refusal to admission {latency:.1f} s; the refusal: {first_refusal[-400:]}"
+    )
+    if refused_at:
+        assert "not held" in first_refusal, first_refusal
+    for name in ("task-a", "task-b"):
+        eventually(
+            lambda n=name: stack.pod(TASKS, n)["status"].get("phase") == "Running",
+            what=f"{name} running",
+            timeout_s=90,
+            detail=stack.report,
+        )  # type: ignore[misc]
+    tasks = {booked_gpu(stack, "task-a"), booked_gpu(stack, "task-b")}
+    assert len(tasks) == 2, tasks  # each fills a GPU
+    held = stack.held()
+    assert tasks <= set(held), (tasks, held)
+    running_jobs = [n for n in ("job-1", "job-2") if stack.pod(OPEN, n)["status"].get("phase") == "Running"]
+    jobs = {
+        n: eventually(lambda n=n: stack.whole_gpu_of(n), what=f"{n}'s GPU", timeout_s=30)
+        for n in running_jobs
+    }  # type: ignore[misc]
+    print(f"tasks on {sorted(tasks)}; whole-GPU jobs on {jobs}; holders hold {sorted(held)}")
+    assert not set(jobs.values()) & tasks, (jobs, tasks)
+    assert not set(jobs.values()) & set(held), (jobs, held)
+    # Three GPUs: two booked by vramshare, so at most one job runs; the other waits for a GPU.
+    assert len(running_jobs) <= 1
+    for name in ("job-1", "job-2"):
+        stack.cluster.kubectl("delete", "pod", "-n", OPEN, name, "--wait=false")
+
+
+def test_a_deleted_holder_takes_its_gpu_out_of_sharing_and_its_bookings_are_reported(stack: Stack) -> None:
+    gpu = booked_gpu(stack, "task-a")
+    holder = stack.held()[gpu]
+    stack.cluster.kubectl("delete", "pod", "-n", NAMESPACE, holder, "--wait=false")
+    events = eventually(
+        lambda: [
+            e
+            for e in stack.get("events", "-n", "default", "--field-selector", "reason=GpuHoldLost")["items"]
+            if holder in e["message"]
+        ],
+        what="a GpuHoldLost event",
+        timeout_s=30,
+        detail=stack.report,
+    )
+    assert f"{TASKS}/task-a" in events[0]["message"]
+    assert events[0]["type"] == "Warning"
+    # The task keeps running: nothing of its booking is lost.
+    assert stack.pod(TASKS, "task-a")["status"]["phase"] == "Running"
+    assert booked_gpu(stack, "task-a") == gpu
+    reservations = stack.get("gpureservations", "-n", TASKS)["items"]
+    assert {r["status"]["phase"] for r in reservations if r["spec"]["gpuUUID"] == gpu} <= {
+        "Bound",
+        "Reserved",
+    }
+
+
+def test_idle_holds_are_given_back_after_the_grace_period(stack: Stack) -> None:
+    stack.cluster.kubectl("delete", "pod", "-n", TASKS, "task-a", "task-b", "--wait=false")
+    started = time.monotonic()
+
+    def one_left() -> bool:
+        holders = [h for h in stack.holders() if not h["metadata"].get("deletionTimestamp")]
+        return len(holders) == 1 and len(stack.held()) == 1
+
+    eventually(
+        one_left, what="the idle surplus given back", timeout_s=IDLE_RELEASE_S + 90, detail=stack.report
+    )
+    took = time.monotonic() - started
+    print(f"\nidle holds given back {took:.0f} s after the tasks ended (idleReleaseS {IDLE_RELEASE_S})")
+    assert took >= IDLE_RELEASE_S - 3
+
+
+def test_holds_outlive_a_device_plugin_restart_and_a_kubelet_restart(stack: Stack) -> None:
+    before = eventually(stack.held, what="a GPU held", timeout_s=30)
+    node = stack.node(WHOLE)
+    component = stack.cluster.component(node.device_plugin_component)
+    component.stop()
+    component.start()
+    component.wait_ready(timeout_s=60)
+    assert stack.held() == before
+    kubelet = stack.cluster.component(f"kubelet-{WHOLE}")
+    kubelet.stop()
+    kubelet.start()
+    kubelet.wait_ready(timeout_s=120)
+    # The plugin sees the kubelet's new socket and registers again (its own inotify watch).
+    eventually(lambda: node.advertised_gpus() == 3, what="nvidia.com/gpu advertised again", timeout_s=60)
+    assert stack.held() == before
+    # The kubelet's checkpoint kept the holder's allocation: a new job gets another GPU.
+    assert stack.create(whole_gpu_pod("job-after"))[0]
+    eventually(
+        lambda: stack.pod(OPEN, "job-after")["status"].get("phase") == "Running",
+        what="a job after the restarts",
+        timeout_s=60,
+        detail=stack.report,
+    )
+    got = eventually(lambda: stack.whole_gpu_of("job-after"), what="its GPU", timeout_s=30)
+    assert got not in before, (got, before)
+    stack.cluster.kubectl("delete", "pod", "-n", OPEN, "job-after", "--wait=false")
+
+
+def test_a_node_dedicated_by_label_is_shared_whole_whatever_its_plugin_does(stack: Stack) -> None:
+    stack.cluster.kubectl("label", "node", SLICED, "vramshare.io/dedicated=true")
+    uuid = GPUS[SLICED][0]
+    eventually(
+        lambda: stack.devices().get(uuid, {}).get("state") == "Ready",
+        what="the dedicated node's GPU Ready",
+        timeout_s=30,
+        detail=stack.report,
+    )
