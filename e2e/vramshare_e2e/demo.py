@@ -8,9 +8,8 @@ as Airflow would after its retry_delay, is admitted; a pod without a GPU request
 
     python -m vramshare_e2e.demo [--fast]      KEEP=1 leaves everything running afterwards
 
-With --real-node (`make demo REAL_NODE=1`) it is vramshare as an operator installs it instead: two
-real nodes (kubelet and containerd on this machine), `helm install` of the chart with the image built
-from the Dockerfile, and a GPU task pod that runs there and prints the environment it got.
+With --real-node (`make demo REAL_NODE=1`) it is vramshare as an operator installs it instead, beside
+NVIDIA's device plugin (`vramshare_e2e.demo_real_node`).
 """
 
 from __future__ import annotations
@@ -18,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import sys
 import time
 from collections.abc import Callable
@@ -38,7 +36,7 @@ from vramshare_e2e.components import (
     start_webhook,
     webhook_configuration,
 )
-from vramshare_e2e.process import eventually
+from vramshare_e2e.process import eventually, wait_for_signal
 
 NAMESPACE = "airflow"
 SHARD = "demo"
@@ -386,70 +384,6 @@ def run_demo(*, fast: bool, keep: bool, show: Callable[[str], None] = print) -> 
         cluster.stop()
 
 
-def wait_for_signal() -> None:
-    stop = {"now": False}
-
-    def on_signal(*_: Any) -> None:
-        stop["now"] = True
-
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
-    while not stop["now"]:
-        time.sleep(0.5)
-
-
-def run_real_node_demo(*, keep: bool, show: Callable[[str], None] = print) -> dict[str, str]:
-    """vramshare installed by its chart on two real nodes; a GPU task pod runs there and prints the
-    environment it got. Returns that environment."""
-    from vramshare_e2e.node_images import TASK_IMAGE
-    from vramshare_e2e.real_cluster import NAMESPACE as SYSTEM
-    from vramshare_e2e.real_cluster import RELEASE, real_cluster
-
-    show(
-        "vramshare demo on real nodes: kubelet + containerd on this machine, the chart's pods on them "
-        "(the first run builds the binaries and the image; progress below)"
-    )
-    with real_cluster(nodes=2, managed=(NAMESPACE,)) as real:
-        cluster = real.cluster
-        show(cluster.kubectl("get", "pods", "-n", SYSTEM, "-o", "wide"))
-        api = config.new_client_from_config(config_file=str(cluster.kubeconfig))  # type: ignore[no-untyped-call]
-        core: Any = client.CoreV1Api(api)
-        script = "env | grep -E '^(NVIDIA_|CUDA_|VRAMSHARE_)' | sort"
-        pod = client.V1Pod(
-            metadata=client.V1ObjectMeta(name="train", annotations={"gpu-mem-mb": "30000"}),
-            spec=client.V1PodSpec(
-                restart_policy="Never",
-                containers=[
-                    client.V1Container(
-                        name="task", image=TASK_IMAGE, image_pull_policy="Never", command=["sh", "-c", script]
-                    )
-                ],
-            ),
-        )
-        show("\nkubectl create: a task pod asking gpu-mem-mb 30000 (only the real nodes' H100s have it)")
-        made = core.create_namespaced_pod(NAMESPACE, pod)
-        show(f"admitted, pinned to {made.metadata.annotations[ANNOTATION_GPU_UUID]}")
-
-        def finished() -> Any:
-            found = core.read_namespaced_pod("train", NAMESPACE)
-            return found if found.status.phase in ("Succeeded", "Failed") else None
-
-        done = eventually(finished, what="the task pod to run", timeout_s=120)
-        log = core.read_namespaced_pod_log("train", NAMESPACE)
-        show(f"it ran on {done.spec.node_name} ({done.status.phase}); its container printed:\n{log}")
-        if keep:
-            show(
-                "\nKEEP=1: everything stays up. Try:\n"
-                f"  export KUBECONFIG={cluster.kubeconfig}\n"
-                f"  {cluster.bin_dir / 'kubectl'} get nodes,pods -A -o wide\n"
-                f"  {cluster.bin_dir / 'kubectl'} get gpudevices,gpures -A\n"
-                f"  {cluster.bin_dir / 'helm'} test {RELEASE} -n {SYSTEM} --logs\n"
-                "Ctrl-C stops everything."
-            )
-            wait_for_signal()
-        return dict(line.split("=", 1) for line in log.splitlines() if "=" in line)
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -464,6 +398,8 @@ def main(argv: list[str] | None = None) -> None:
     keep = os.environ.get("KEEP", "") not in ("", "0", "false")
     try:
         if args.real_node:
+            from vramshare_e2e.demo_real_node import run_real_node_demo
+
             run_real_node_demo(keep=keep, show=lambda text: print(text, flush=True))
             return
         run_demo(fast=args.fast, keep=keep, show=lambda text: print(text, flush=True))

@@ -127,3 +127,16 @@ def http_ok(url: str, *, context: ssl.SSLContext | None = None, expect: str | No
             return resp.status == 200 and (expect is None or expect in body)
     except (urllib.error.URLError, ConnectionError, TimeoutError, ssl.SSLError, OSError):
         return False
+
+
+def wait_for_signal() -> None:
+    """Block until Ctrl-C or SIGTERM (a demo kept up with KEEP=1)."""
+    stop = {"now": False}
+
+    def on_signal(*_: object) -> None:
+        stop["now"] = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    while not stop["now"]:
+        time.sleep(0.5)

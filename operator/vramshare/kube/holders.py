@@ -10,9 +10,10 @@ from vramshare.kube.resources import parse_time
 HOLDER_COMPONENT = "gpu-holder"
 LABEL_COMPONENT = "app.kubernetes.io/component"
 HOLDER_SELECTOR = f"{LABEL_COMPONENT}={HOLDER_COMPONENT}"
-LABEL_HOLDER_NODE = "vramshare.io/holder-node"
+# Not under vramshare.io/: the chart's pinning policy reserves that prefix to pods vramshare admits.
+LABEL_HOLDER_NODE = "holder.vramshare.io/node"
 """The node a holder was made for (the scheduler is told to put it there and nowhere else)."""
-ANNOTATION_HELD_GPU = "vramshare.io/held-gpu"
+ANNOTATION_HELD_GPU = "holder.vramshare.io/gpu"
 """Written by the holder on itself: the UUID of the GPU NVML shows in its container."""
 HOLDER_PREFIX = "vramshare-hold-"
 HOLDER_COMMAND = "vramshare-holder"
