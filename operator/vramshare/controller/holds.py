@@ -15,11 +15,12 @@ from vramshare.controller.settings import ControllerSettings
 from vramshare.controller.state import ClusterState
 from vramshare.domain import Reservation
 from vramshare.domain.holds import Holder, HolderState, HoldNode, held, lost, plan_holds
+from vramshare.domain.inventory import DeviceState
 from vramshare.domain.ownership import DevicePluginGpus, NodeGpus, Ownership, ownership
 from vramshare.domain.scheduling import NodeView
 from vramshare.kube.client import ApiError, KubeClient
 from vramshare.kube.events import Event, Involved, post_event
-from vramshare.kube.holders import holder_pod
+from vramshare.kube.holders import ANNOTATION_RELEASE, holder_pod
 from vramshare.kube.resources import API_VERSION, device_name, pod_path, pods_path
 
 log = structlog.get_logger("vramshare.controller")
@@ -75,9 +76,13 @@ class HoldKeeper:
                 self.idle_since[uuid] = now
         for uuid in set(self.idle_since) - set(holding):
             del self.idle_since[uuid]
-        for holder in lost(self._held, holding, booked):
+        # Releasing holders still hold: only a holder gone (or never holding) loses its GPU.
+        present = {
+            h.gpu_uuid: h for h in holders if h.state is HolderState.RELEASING and h.gpu_uuid
+        } | holding
+        for holder in lost(self._held, present, booked):
             await self._report_lost(holder, reservations, now=now)
-        self._held = holding
+        self._held = present
         if self.settings.device_plugin_gpus is not DevicePluginGpus.HOLD or not self.settings.holder_image:
             return
         by_name = {n.name: n for n in nodes}
@@ -96,12 +101,21 @@ class HoldKeeper:
             idle_since=self.idle_since,
             now=now,
             settings=self.settings.holds,
+            out_of_sharing={
+                d.spec.uuid
+                for d in self.state.devices.items.values()
+                if d.status is not None and d.status.state == DeviceState.NOT_SHARED.value
+            },
         )
         for node, count in sorted(plan.acquire.items()):
             for _ in range(count):
                 await self._acquire(node)
         for name in plan.release:
-            await self._release(name)
+            await self._mark(name, release_at=now)
+        for name in plan.keep:
+            await self._mark(name, release_at=None)
+        for name in plan.give_back:
+            await self._give_back(name)
 
     async def _acquire(self, node: str) -> None:
         pod = holder_pod(
@@ -124,7 +138,23 @@ class HoldKeeper:
             "acquiring a GPU through NVIDIA's device plugin", node=node, holder=created["metadata"]["name"]
         )
 
-    async def _release(self, name: str) -> None:
+    async def _mark(self, name: str, *, release_at: float | None) -> None:
+        """Ask a holder to give its GPU back (its GPU leaves sharing at the next poll's write, and a
+        commit racing that write conflicts: see vramshare.kube.ledger.commit), or, with None, to hold on
+        (a booking landed first)."""
+        value = None if release_at is None else f"{release_at:.3f}"
+        try:
+            await self.kube.merge_patch(
+                pod_path(self.settings.namespace, name),
+                {"metadata": {"annotations": {ANNOTATION_RELEASE: value}}},
+            )
+        except ApiError as exc:
+            if not exc.not_found:
+                raise
+            return
+        log.info("GPU hold to be given back" if value else "GPU hold kept: booked meanwhile", holder=name)
+
+    async def _give_back(self, name: str) -> None:
         try:
             await self.kube.delete(pod_path(self.settings.namespace, name))
         except ApiError as exc:

@@ -22,6 +22,9 @@ class HolderState(StrEnum):
     ACQUIRING = "Acquiring"
     """Created, not yet running with its GPU's UUID written (scheduling, starting, or no GPU free)."""
     HOLDING = "Holding"
+    RELEASING = "Releasing"
+    """Asked to give its GPU back: the GPU is out of sharing first (no booking can land on it), and the
+    holder is deleted once it is, with nothing booked."""
     LEAVING = "Leaving"
     """Being deleted or ended: its GPU is no longer vramshare's."""
 
@@ -35,6 +38,8 @@ class Holder:
     """What NVML in its container said, once it has said it."""
     state: HolderState = HolderState.ACQUIRING
     created_at: float = 0.0
+    release_requested_at: float = 0.0
+    """When the controller asked it to give its GPU back (state Releasing)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -66,7 +71,17 @@ class HoldPlan:
     acquire: Mapping[str, int] = field(default_factory=dict)
     """Node -> how many holders to create there."""
     release: tuple[str, ...] = ()
-    """Holders to delete: idle beyond the warm minimum for idle_release_s."""
+    """Holders to ask to give their GPU back: idle beyond the warm minimum for idle_release_s."""
+    give_back: tuple[str, ...] = ()
+    """Releasing holders to delete: their GPU is out of sharing where the webhook reads it and has had
+    nothing booked for `RELEASE_SETTLE_S` since."""
+    keep: tuple[str, ...] = ()
+    """Releasing holders whose GPU got a booking before it left sharing: they hold on."""
+
+
+RELEASE_SETTLE_S = 3.0
+"""How long a released GPU stays out of sharing, with nothing booked, before its holder goes: a commit
+that landed just before it left sharing reaches the controller's view well within it."""
 
 
 def held(holders: Iterable[Holder]) -> dict[str, Holder]:
@@ -82,9 +97,11 @@ def plan_holds(
     idle_since: Mapping[str, float],
     now: float,
     settings: HoldSettings,
+    out_of_sharing: Set[str] = frozenset(),
 ) -> HoldPlan:
     """What to create and delete so each node keeps `min_idle_per_node` idle held GPUs. `booked`: the
-    UUIDs with an active booking; `idle_since`: UUID -> when it was last seen booked (or held)."""
+    UUIDs with an active booking; `idle_since`: UUID -> when it was last seen booked (or held);
+    `out_of_sharing`: the GPUs whose stored state the webhook reads says not shared."""
     by_node: dict[str, list[Holder]] = defaultdict(list)
     live = [h for h in holders if h.state is not HolderState.LEAVING]
     for holder in live:
@@ -114,7 +131,16 @@ def plan_holds(
                 for h in longest[:surplus]
                 if now - idle_since.get(h.gpu_uuid, now) >= settings.idle_release_s
             ]
-    return HoldPlan(acquire=acquire, release=tuple(release))
+    releasing = [h for h in live if h.state is HolderState.RELEASING]
+    keep = tuple(h.name for h in releasing if h.gpu_uuid in booked)
+    give_back = tuple(
+        h.name
+        for h in releasing
+        if h.gpu_uuid not in booked
+        and h.gpu_uuid in out_of_sharing
+        and now - h.release_requested_at >= RELEASE_SETTLE_S
+    )
+    return HoldPlan(acquire=acquire, release=tuple(release), give_back=give_back, keep=keep)
 
 
 def lost(before: Mapping[str, Holder], after: Mapping[str, Holder], booked: Set[str]) -> list[Holder]:

@@ -78,10 +78,14 @@ class Ownership:
     """Node -> why one of its GPUs that vramshare does not hold is not shared (mode hold)."""
     held: frozenset[str] = frozenset()
     """The GPUs vramshare holds through the device plugin."""
+    releasing: Mapping[str, str] = field(default_factory=dict)
+    """GPU -> why it is out of sharing while its holder gives it back."""
 
     def reason(self, *, node: str, uuid: str) -> str:
         if node in self.nodes:
             return self.nodes[node]
+        if uuid in self.releasing:
+            return self.releasing[uuid]
         if node in self.unheld and uuid not in self.held:
             return self.unheld[node]
         return ""
@@ -152,7 +156,15 @@ def ownership(
                 f"not held: {plugin}; vramshare shares the GPUs of this node it holds through the plugin, "
                 f"and {now}"
             )
-    return Ownership(nodes=not_shared, unheld=unheld, held=frozenset(held(holders)))
+    releasing = {
+        h.gpu_uuid: (
+            f"being given back to NVIDIA's device plugin: nothing was booked on it beyond the idle held "
+            f"GPUs each node keeps (holder pod {h.name} goes once no booking can land here)"
+        )
+        for h in holders
+        if h.state is HolderState.RELEASING and h.gpu_uuid and h.node in unheld
+    }
+    return Ownership(nodes=not_shared, unheld=unheld, held=frozenset(held(holders)), releasing=releasing)
 
 
 def not_shared(nodes: Iterable[NodeGpus]) -> dict[str, str]:

@@ -15,6 +15,9 @@ LABEL_HOLDER_NODE = "holder.vramshare.io/node"
 """The node a holder was made for (the scheduler is told to put it there and nowhere else)."""
 ANNOTATION_HELD_GPU = "holder.vramshare.io/gpu"
 """Written by the holder on itself: the UUID of the GPU NVML shows in its container."""
+ANNOTATION_RELEASE = "holder.vramshare.io/release-requested-at"
+"""Written by the controller (Unix seconds): give the GPU back. Its GPU leaves sharing first; the pod is
+deleted once nothing can be booked there."""
 HOLDER_PREFIX = "vramshare-hold-"
 HOLDER_COMMAND = "vramshare-holder"
 
@@ -24,7 +27,12 @@ def holder_from_wire(pod: Obj) -> Holder:
     status = pod.get("status") or {}
     spec = pod.get("spec") or {}
     node = (meta.get("labels") or {}).get(LABEL_HOLDER_NODE, "")
-    uuid = str((meta.get("annotations") or {}).get(ANNOTATION_HELD_GPU, ""))
+    annotations = meta.get("annotations") or {}
+    uuid = str(annotations.get(ANNOTATION_HELD_GPU, ""))
+    try:
+        release_at = float(annotations.get(ANNOTATION_RELEASE, "") or 0.0)
+    except ValueError:
+        release_at = 0.0
     phase = status.get("phase", "Pending")
     if (
         meta.get("deletionTimestamp")
@@ -34,7 +42,7 @@ def holder_from_wire(pod: Obj) -> Holder:
         state = HolderState.LEAVING
     # The device plugin's allocation is the pod's: a restarting container still holds the GPU.
     elif phase == "Running" and uuid.startswith("GPU-"):
-        state = HolderState.HOLDING
+        state = HolderState.RELEASING if release_at > 0 else HolderState.HOLDING
     else:
         state = HolderState.ACQUIRING
     return Holder(
@@ -43,6 +51,7 @@ def holder_from_wire(pod: Obj) -> Holder:
         gpu_uuid=uuid,
         state=state,
         created_at=parse_time(meta.get("creationTimestamp")) or 0.0,
+        release_requested_at=release_at,
     )
 
 

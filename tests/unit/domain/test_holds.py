@@ -7,7 +7,17 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from vramshare.domain.holds import Holder, HolderState, HoldNode, HoldSettings, held, lost, plan_holds
+from vramshare.domain.holds import (
+    RELEASE_SETTLE_S,
+    Holder,
+    HolderState,
+    HoldNode,
+    HoldPlan,
+    HoldSettings,
+    held,
+    lost,
+    plan_holds,
+)
 from vramshare.domain.ownership import (
     REPLICAS_LABEL,
     DevicePluginGpus,
@@ -174,3 +184,36 @@ def test_a_lost_hold_is_one_with_bookings_whose_holder_went() -> None:
     before = held([holder("h1", uuid="GPU-1"), holder("h2", uuid="GPU-2"), holder("h3", uuid="GPU-3")])
     after = held([holder("h3", uuid="GPU-3")])
     assert [h.name for h in lost(before, after, booked={"GPU-1", "GPU-3"})] == ["h1"]
+
+
+def test_a_released_gpu_leaves_sharing_before_its_holder_goes_and_a_late_booking_keeps_it() -> None:
+    nodes = [HoldNode(name="n1", advertised=4)]
+    releasing = Holder(
+        name="h2", node="n1", gpu_uuid="GPU-2", state=HolderState.RELEASING, release_requested_at=NOW - 5
+    )
+    holders = [holder("h1", uuid="GPU-1"), releasing]
+    owned = ownership([plugin_node()], mode=DevicePluginGpus.HOLD, holders=holders, gpus_seen={"n1": 4})
+    assert owned.reason(node="n1", uuid="GPU-2").startswith("being given back to NVIDIA's device plugin")
+    assert owned.reason(node="n1", uuid="GPU-1") == ""
+
+    def plan(*, booked: set[str], out: set[str], at: float = NOW) -> HoldPlan:
+        return plan_holds(
+            nodes=nodes,
+            holders=holders,
+            booked=booked,
+            idle_since={},
+            now=at,
+            settings=HoldSettings(),
+            out_of_sharing=out,
+        )
+
+    # Not yet out of sharing where the webhook reads it: the holder stays.
+    assert plan(booked=set(), out=set()).give_back == ()
+    # Out of sharing, nothing booked, settled: it goes.
+    assert plan(booked=set(), out={"GPU-2"}).give_back == ("h2",)
+    # Just marked: not before RELEASE_SETTLE_S.
+    assert plan(booked=set(), out={"GPU-2"}, at=NOW - 5 + RELEASE_SETTLE_S / 2).give_back == ()
+    # A booking landed before the GPU left sharing: it holds on.
+    booked = plan(booked={"GPU-2"}, out={"GPU-2"})
+    assert booked.give_back == ()
+    assert booked.keep == ("h2",)

@@ -356,6 +356,20 @@ async def test_a_new_sample_does_not_fail_a_commit(running: tuple[FakeKube, Kube
     assert len(reservations(kube)) == 1
 
 
+async def test_a_gpu_taken_out_of_sharing_meanwhile_fails_the_commit(
+    running: tuple[FakeKube, KubeLedger],
+) -> None:
+    """A status write that takes the GPU out of sharing (a hold being given back to NVIDIA's device
+    plugin) between the decision and the bump ends the commit: it decides again and books nothing there."""
+    kube, ledger = running
+    snap = await ledger.snapshot()
+    await kube.merge_patch(f"{DEVICE}/status", {"status": {"state": "NotShared"}})
+    with pytest.raises(CommitConflictError):
+        await ledger.commit(reservation=booking(), token=snap.tokens[GPU.uuid], live=True)
+    await settle()
+    assert reservations(kube) == []
+
+
 async def commit_elsewhere(kube: FakeKube, name: str, mib: int) -> None:
     """Another replica's commit on the GPU: its reservation, then the token naming it."""
     created = await kube.create(reservations_path("jobs"), booking(name, mib).to_wire())

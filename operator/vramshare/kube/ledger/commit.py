@@ -54,6 +54,7 @@ import structlog
 
 from vramshare.domain import Gpu, LedgerIndex
 from vramshare.domain.freshness import with_heartbeat
+from vramshare.domain.inventory import DeviceState
 from vramshare.domain.snapshot import CommitConflictError
 from vramshare.kube.client import ApiError, KubeClient, Obj
 from vramshare.kube.lease_watch import HeartbeatSource
@@ -83,6 +84,8 @@ MAX_GROUP = 32
 
 MAX_BUMPS = 8
 """Tries of one bump: a status write or a commit that left room moves the token, and we follow it."""
+OUT_OF_SHARING = frozenset({DeviceState.NOT_SHARED.value, DeviceState.MISSING.value})
+"""Device states no booking may land on: a status write to one of them ends a commit in flight."""
 
 
 @dataclass(kw_only=True, eq=False)
@@ -322,6 +325,10 @@ class CommitProtocol(LedgerView):
                 if not exc.conflict or (expected is None and self.has_room is None):
                     raise
                 current = GpuDevice.from_wire(await self.kube.get(path))
+                if current.status is not None and current.status.state in OUT_OF_SHARING:
+                    # The controller took the GPU out of sharing meanwhile (a hold given back, a node
+                    # no longer vramshare's): decide again, on the view that says so.
+                    raise
                 landed = current.meta.annotations.get(ANNOTATION_LEDGER, "") != expected
                 if landed:
                     if not await self._room_after(current):
