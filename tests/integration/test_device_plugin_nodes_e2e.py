@@ -107,3 +107,51 @@ def _create(core: client.CoreV1Api, pod: client.V1Pod) -> Any:
         return core.create_namespaced_pod("jobs", pod)
     except ApiException:
         return None
+
+
+def test_a_gpu_a_dra_driver_publishes_is_not_shared_until_its_slice_goes(stack: LocalCluster) -> None:
+    """A ResourceSlice as NVIDIA's DRA driver publishes one (driver gpu.nvidia.com, each GPU's uuid
+    attribute), on the real API server: that GPU is NotShared, whatever its node's labels, until the
+    slice is gone."""
+    node, index = "gpu-node-b", 0
+    uuid = next(
+        d["spec"]["uuid"]
+        for d in json.loads(stack.kubectl("get", "gpudevices", "-o", "json"))["items"]
+        if d["spec"]["nodeName"] == node and d["spec"]["index"] == index
+    )
+    eventually(lambda: states(stack)[f"{node}/{index}"][0] == "Ready", what="the T4 Ready")
+    published = {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceSlice",
+        "metadata": {"name": f"{node}-gpu.nvidia.com-0"},
+        "spec": {
+            "driver": "gpu.nvidia.com",
+            "nodeName": node,
+            "pool": {"name": node, "generation": 1, "resourceSliceCount": 1},
+            "devices": [
+                {
+                    "name": "gpu-0",
+                    "attributes": {
+                        "type": {"string": "gpu"},
+                        "uuid": {"string": uuid},
+                        "productName": {"string": "Tesla T4"},
+                    },
+                }
+            ],
+        },
+    }
+    stack.apply_objects([published])
+    eventually(
+        lambda: states(stack)[f"{node}/{index}"][0] == "NotShared",
+        what="the published T4 NotShared",
+        timeout_s=30,
+    )
+    message = states(stack)[f"{node}/{index}"][1]
+    assert message.startswith("published for Dynamic Resource Allocation by driver gpu.nvidia.com"), message
+    assert states(stack)[f"{node}/1"][0] == "Ready"  # its neighbour, not published, is still shared
+    stack.kubectl("delete", "resourceslice", f"{node}-gpu.nvidia.com-0")
+    eventually(
+        lambda: states(stack)[f"{node}/{index}"][0] == "Ready",
+        what="the T4 shared again once its slice is gone",
+        timeout_s=30,
+    )

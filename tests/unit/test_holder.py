@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 
 from vramshare.domain.holds import HolderState
+from vramshare.domain.ownership import ownership
 from vramshare.holder import NoSingleGpuError, the_gpu
+from vramshare.kube.dra import dra_reason, slice_gpus
 from vramshare.kube.holders import ANNOTATION_HELD_GPU, LABEL_HOLDER_NODE, holder_from_wire, holder_pod
 
 
@@ -66,3 +68,28 @@ def test_the_holder_holds_exactly_one_gpu_or_says_what_it_saw() -> None:
         the_gpu([])
     with pytest.raises(NoSingleGpuError):
         the_gpu(["MIG-1"])
+
+
+def test_a_gpu_a_dra_driver_publishes_is_read_from_its_resource_slice() -> None:
+    """As NVIDIA's gpu-kubelet-plugin publishes them (driver gpu.nvidia.com, attribute uuid)."""
+    published = {
+        "metadata": {"name": "node-a-gpu.nvidia.com-x7k"},
+        "spec": {
+            "driver": "gpu.nvidia.com",
+            "nodeName": "node-a",
+            "devices": [
+                {"name": "gpu-0", "attributes": {"type": {"string": "gpu"}, "uuid": {"string": "GPU-1"}}},
+                {"name": "mig-0", "attributes": {"uuid": {"string": "MIG-9"}}},
+                {"name": "other", "attributes": {"example.com/uuid": {"string": "GPU-2"}, "x": {"int": 1}}},
+            ],
+        },
+    }
+    gpus = slice_gpus(published)
+    assert [g.uuid for g in gpus] == ["GPU-1", "GPU-2"]
+    assert gpus[0].driver == "gpu.nvidia.com"
+    owned = ownership([], elsewhere={g.uuid: dra_reason(g) for g in gpus})
+    assert owned.reason(node="node-a", uuid="GPU-1").startswith(
+        "published for Dynamic Resource Allocation by driver gpu.nvidia.com "
+        "(ResourceSlice node-a-gpu.nvidia.com-x7k)"
+    )
+    assert owned.reason(node="node-a", uuid="GPU-3") == ""

@@ -19,6 +19,7 @@ from vramshare.domain.inventory import DeviceState
 from vramshare.domain.ownership import DevicePluginGpus, NodeGpus, Ownership, ownership
 from vramshare.domain.scheduling import NodeView
 from vramshare.kube.client import ApiError, KubeClient
+from vramshare.kube.dra import dra_reason
 from vramshare.kube.events import Event, Involved, post_event
 from vramshare.kube.holders import ANNOTATION_RELEASE, holder_pod
 from vramshare.kube.resources import API_VERSION, device_name, pod_path, pods_path
@@ -55,6 +56,7 @@ class HoldKeeper:
             holders=self.holders,
             gpus_seen=gpus_seen,
             can_hold=bool(self.settings.holder_image),
+            elsewhere={uuid: dra_reason(gpu) for uuid, gpu in self.state.dra_gpus().items()},
         )
 
     async def keep(

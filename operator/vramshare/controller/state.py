@@ -14,6 +14,7 @@ import asyncio
 from vramshare.domain.holds import Holder
 from vramshare.domain.scheduling import NodeView
 from vramshare.kube.client import KubeClient, Obj
+from vramshare.kube.dra import RESOURCE_SLICES, DraGpu, served, slice_gpus
 from vramshare.kube.holders import HOLDER_SELECTOR, holder_from_wire
 from vramshare.kube.objects import GpuDevice, GpuReservation
 from vramshare.kube.pods import node_view
@@ -53,10 +54,33 @@ class ClusterState:
             name="holders",
         )
         """The holder pods in the controller's namespace (`vramshare.domain.holds`)."""
-        self._caches = (self.devices, self.reservations, self.nodes, self.pods, self.namespaces, self.holders)
+        self.resource_slices: WatchCache[tuple[DraGpu, ...]] = WatchCache(
+            kube, RESOURCE_SLICES, decode=slice_gpus, name="resourceslices"
+        )
+        """The GPUs DRA drivers publish (`vramshare.kube.dra`); empty where resource.k8s.io/v1 is not
+        served."""
+        self.kube = kube
+        self._caches = (
+            self.devices,
+            self.reservations,
+            self.nodes,
+            self.pods,
+            self.namespaces,
+            self.holders,
+            self.resource_slices,
+        )
 
     async def run(self) -> None:
-        await asyncio.gather(*(c.run() for c in self._caches))
+        runs = [c.run() for c in self._caches if c is not self.resource_slices]
+        if await served(self.kube):
+            runs.append(self.resource_slices.run())
+        else:  # before Kubernetes 1.34: no DRA, nothing to follow
+            self.resource_slices.synced.set()
+        await asyncio.gather(*runs)
+
+    def dra_gpus(self) -> dict[str, DraGpu]:
+        """UUID -> how a DRA driver publishes it."""
+        return {g.uuid: g for gpus in self.resource_slices.items.values() for g in gpus}
 
     async def wait_synced(self) -> None:
         for cache in self._caches:

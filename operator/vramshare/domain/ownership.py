@@ -80,8 +80,12 @@ class Ownership:
     """The GPUs vramshare holds through the device plugin."""
     releasing: Mapping[str, str] = field(default_factory=dict)
     """GPU -> why it is out of sharing while its holder gives it back."""
+    elsewhere: Mapping[str, str] = field(default_factory=dict)
+    """GPU -> why something else may hand it out whatever its node says (a DRA driver publishes it)."""
 
     def reason(self, *, node: str, uuid: str) -> str:
+        if uuid in self.elsewhere:
+            return self.elsewhere[uuid]
         if node in self.nodes:
             return self.nodes[node]
         if uuid in self.releasing:
@@ -113,9 +117,10 @@ def ownership(
     holders: Iterable[Holder] = (),
     gpus_seen: Mapping[str, int] | None = None,
     can_hold: bool = True,
+    elsewhere: Mapping[str, str] | None = None,
 ) -> Ownership:
     """`gpus_seen`: node -> how many GPUs DCGM reports there; `can_hold`: holders can be made (mode
-    hold with a holder image set)."""
+    hold with a holder image set); `elsewhere`: GPU -> why another allocator hands it out (DRA)."""
     gpus_seen = gpus_seen or {}
     holders = list(holders)
     not_shared: dict[str, str] = {}
@@ -164,7 +169,13 @@ def ownership(
         for h in holders
         if h.state is HolderState.RELEASING and h.gpu_uuid and h.node in unheld
     }
-    return Ownership(nodes=not_shared, unheld=unheld, held=frozenset(held(holders)), releasing=releasing)
+    return Ownership(
+        nodes=not_shared,
+        unheld=unheld,
+        held=frozenset(held(holders)),
+        releasing=releasing,
+        elsewhere=dict(elsewhere or {}),
+    )
 
 
 def not_shared(nodes: Iterable[NodeGpus]) -> dict[str, str]:
