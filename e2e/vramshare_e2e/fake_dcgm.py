@@ -124,6 +124,8 @@ class GpuReading:
     used_mib: int
     reserved_mib: int | None
     mig: tuple[InstanceReading, ...] = ()
+    pods: tuple[str, ...] = ()
+    """namespace/name of the pods the exporter's Kubernetes mapping attributes the GPU to."""
 
 
 def _escape(value: str) -> str:
@@ -175,7 +177,15 @@ def render_metrics(readings: Iterable[GpuReading], *, flavour: str = DEFAULT_FLA
             }[figure]
             if mib is None:
                 continue
-            lines.append(f"{metric}{{{series(r, None)}}} {mib * 2**20 // shape.bytes_per_unit}")
+            value = mib * 2**20 // shape.bytes_per_unit
+            # dcgm-exporter repeats a GPU's series once per pod it maps the GPU to, with its labels.
+            pods: tuple[str | None, ...] = r.pods or (None,)
+            for pod in pods:
+                attributed = ""
+                if pod is not None:
+                    namespace, _, name = pod.partition("/")
+                    attributed = f',pod="{_escape(name)}",namespace="{_escape(namespace)}",container="main"'
+                lines.append(f"{metric}{{{series(r, None)}{attributed}}} {value}")
     instances = [(r, i) for r in readings for i in r.mig]
     if instances:
         metric = "DCGM_FI_PROF_GR_ENGINE_ACTIVE"
@@ -205,6 +215,7 @@ def fleet_readings(fleet: Fleet) -> list[GpuReading]:
                 )
                 for i in gpu.mig
             ),
+            pods=tuple(gpu.pods),
         )
         for node, gpu in fleet.all_gpus()
         if not gpu.silent
@@ -213,7 +224,7 @@ def fleet_readings(fleet: Fleet) -> list[GpuReading]:
 
 def nvml_readings(hostname: str) -> list[GpuReading]:  # pragma: no cover - needs a real GPU
     """Real framebuffer figures through NVML, in MiB as DCGM reports them."""
-    import pynvml  # type: ignore[import-not-found]  # optional extra: vramshare-e2e[nvml]
+    import pynvml  # type: ignore[import-untyped]  # optional extra: vramshare-e2e[nvml]
 
     pynvml.nvmlInit()
     try:
@@ -308,6 +319,17 @@ def create_app(
 
         return change(request, mutate)
 
+    async def set_pods(request: web.Request) -> web.Response:
+        body = await request.json()
+
+        def mutate(fleet: Fleet, uuid: str) -> None:
+            pods = [str(p) for p in body["pods"]]
+            if not all(p.count("/") == 1 for p in pods):
+                raise ValueError("pods are namespace/name")
+            fleet.gpu(uuid)[1].pods = pods
+
+        return change(request, mutate)
+
     async def remove(request: web.Request) -> web.Response:
         def mutate(fleet: Fleet, uuid: str) -> None:
             node, gpu = fleet.gpu(uuid)
@@ -340,6 +362,7 @@ def create_app(
         app.router.add_delete("/gpus/{uuid}", remove)
         app.router.add_post("/gpus/{uuid}/replace", replace)
         app.router.add_put("/gpus/{uuid}/silent", silence)
+        app.router.add_put("/gpus/{uuid}/pods", set_pods)
         app.router.add_put("/flavour", set_flavour)
     return app
 
@@ -369,6 +392,10 @@ class ExporterClient:
     def set_silent(self, uuid: str, silent: bool) -> None:
         """Stop (or resume) reporting one GPU's series, as an exporter whose DCGM field blinks."""
         self._call("PUT", f"/gpus/{uuid}/silent", {"silent": silent})
+
+    def set_pods(self, uuid: str, pods: list[str]) -> None:
+        """The pods (namespace/name) the exporter's Kubernetes mapping attributes the GPU to."""
+        self._call("PUT", f"/gpus/{uuid}/pods", {"pods": pods})
 
     def set_flavour(self, flavour: str) -> None:
         """Write the metrics as another exporter family does (see FLAVOURS)."""

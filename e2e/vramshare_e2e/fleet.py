@@ -34,6 +34,9 @@ class FakeGpu:
     empty for a whole GPU."""
     mig_fb: bool = True
     """False: the exporter writes no framebuffer fields for the instances (dcgm-exporter #512)."""
+    pods: list[str] = field(default_factory=list)
+    """namespace/name of the pods dcgm-exporter's Kubernetes mapping attributes the GPU to (devices a
+    device plugin allocated): one series per pod, with its pod, namespace and container labels."""
 
     @property
     def free_mib(self) -> int:

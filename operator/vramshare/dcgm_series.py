@@ -78,6 +78,11 @@ METRICS = tuple(m for f in FAMILIES for m in f.metrics)
 AUTO = "auto"
 AUTO_NODE_LABELS = ("hostname", "Hostname")
 UUID_LABELS = ("UUID", "uuid")
+POD_LABELS = (("exported_namespace", "exported_pod"), ("namespace", "pod"), ("pod_namespace", "pod_name"))
+"""Where dcgm-exporter's Kubernetes mapping names the pod using a GPU: `namespace`/`pod` (older releases:
+`pod_namespace`/`pod_name`), renamed `exported_*` by Prometheus where the scrape's own target labels
+(prometheus-operator's, a kubernetes_sd relabel) take those names; then the plain ones name the
+exporter's own pod, which the controller's check (a device-plugin pod on that node) sets aside."""
 """`uuid` where the exporter runs with --use-old-namespace."""
 INSTANCE_ID, INSTANCE_PROFILE = "GPU_I_ID", "GPU_I_PROFILE"
 
@@ -153,6 +158,13 @@ class _Figures:
     reserved: int | None
     capacity: int | None
     labels: Mapping[str, str]
+
+
+def _attributed(labels: Mapping[str, str]) -> tuple[str, str] | None:
+    for namespace, pod in POD_LABELS:
+        if labels.get(pod) and labels.get(namespace):
+            return labels[namespace], labels[pod]
+    return None
 
 
 def _uuid_of(labels: Mapping[str, str]) -> str:
@@ -233,6 +245,8 @@ class _Parts:
     markers: dict[str, dict[int, str]] = field(default_factory=lambda: defaultdict(dict))
     """UUID -> GPU_I_ID -> GPU_I_PROFILE, for every MIG instance any DCGM metric reports."""
     marker_nodes: dict[str, str] = field(default_factory=dict)
+    pods: dict[str, set[tuple[str, str]]] = field(default_factory=lambda: defaultdict(set))
+    """UUID -> the pods DCGM attributes it to (see POD_LABELS)."""
 
 
 class _Notes:
@@ -275,6 +289,9 @@ def _split(results: Iterable[Mapping[str, Any]], *, node_label: str) -> _Parts:
                     parts.marker_nodes[uuid] = node
             continue
         labels.pop("__name__", None)
+        attributed = _attributed(labels)
+        if attributed is not None and _uuid_of(labels):
+            parts.pods[_uuid_of(labels)].add(attributed)
         key = frozenset(labels.items())
         if part == "timestamp":
             parts.times[key] = raw
@@ -379,6 +396,7 @@ def _assemble(
                 sampled_at=figures.at,
                 capacity_mib=figures.capacity,
                 mig=mig,
+                pods=tuple(sorted(parts.pods.get(uuid, ()))),
             )
         )
     return samples

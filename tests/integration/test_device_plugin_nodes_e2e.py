@@ -6,6 +6,7 @@ refusal that says why, until the operator dedicates the node to vramshare with a
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -153,5 +154,55 @@ def test_a_gpu_a_dra_driver_publishes_is_not_shared_until_its_slice_goes(stack: 
     eventually(
         lambda: states(stack)[f"{node}/{index}"][0] == "Ready",
         what="the T4 shared again once its slice is gone",
+        timeout_s=30,
+    )
+
+
+def test_a_gpu_dcgm_attributes_to_a_device_plugin_pod_is_taken_whatever_the_node_says(
+    stack: LocalCluster,
+) -> None:
+    """dcgm-exporter names the pod a device plugin gave a GPU (its Kubernetes mapping): where that pod
+    exists on the GPU's node asking for nvidia.com/gpu, the GPU is not shared, even on a node dedicated
+    to vramshare; a series naming a pod that asks for no device (the exporter's own) changes nothing."""
+    node, index = "gpu-node-b", 1
+    uuid = next(
+        d["spec"]["uuid"]
+        for d in json.loads(stack.kubectl("get", "gpudevices", "-o", "json"))["items"]
+        if d["spec"]["nodeName"] == node and d["spec"]["index"] == index
+    )
+    stack.kubectl("label", "node", node, f"{DEDICATED_LABEL}=true", "--overwrite")
+    for name, resources in (("trainer", {"nvidia.com/gpu": "1"}), ("exporter", {"cpu": "10m"})):
+        stack.apply_objects(
+            [
+                {
+                    "apiVersion": "v1",
+                    "kind": "Pod",
+                    "metadata": {"name": name, "namespace": "default"},
+                    "spec": {
+                        "nodeName": node,
+                        "containers": [
+                            {"name": "main", "image": "example.invalid/x", "resources": {"limits": resources}}
+                        ],
+                    },
+                }
+            ]
+        )
+    stack.exporter.set_pods(uuid, ["default/exporter"])
+    eventually(lambda: states(stack)[f"{node}/{index}"][0] == "Ready", what="the T4 Ready", timeout_s=30)
+    time.sleep(3)  # polls that read the attribution to the exporter's pod
+    assert states(stack)[f"{node}/{index}"][0] == "Ready"
+    stack.exporter.set_pods(uuid, ["default/trainer"])
+    eventually(
+        lambda: states(stack)[f"{node}/{index}"][0] == "NotShared",
+        what="the GPU DCGM attributes to the trainer NotShared",
+        timeout_s=30,
+    )
+    assert states(stack)[f"{node}/{index}"][1].startswith("taken by pod default/trainer: DCGM attributes")
+    events = json.loads(stack.kubectl("get", "events", "-A", "-o", "json"))["items"]
+    assert any(e["reason"] == "GpuNotShared" and "default/trainer" in e["message"] for e in events)
+    stack.exporter.set_pods(uuid, [])
+    eventually(
+        lambda: states(stack)[f"{node}/{index}"][0] == "Ready",
+        what="the GPU shared again once DCGM attributes it to no one",
         timeout_s=30,
     )

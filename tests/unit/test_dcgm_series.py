@@ -120,6 +120,24 @@ def test_prometheus_operator_relabelled_series_are_one_gpu_each() -> None:
     gpus = by_uuid(reading.samples)
     assert set(gpus) == {A100_BUSY, A100_IDLE}
     assert gpus[A100_BUSY].node == "gpu-a100-1"  # not the exporter pod, not the exported_pod
+    # The pod DCGM attributes the GPU to is the exported one, not the exporter's own (target) pod.
+    assert gpus[A100_BUSY].pods == (("airflow", "train-bert-7f9c"),)
+
+
+def test_the_pods_dcgm_attributes_a_gpu_to_are_read_from_every_series_naming_one() -> None:
+    """dcgm-exporter's Kubernetes mapping repeats a GPU's series once per pod it maps the GPU to
+    (time-slicing: several), with pod, namespace and container labels; older releases say pod_name and
+    pod_namespace. A scrape with no such target labels keeps the plain names."""
+    lines = []
+    for line in corpus("4.6.0-4.8.3.prom").splitlines():
+        if A100_BUSY in line:  # every metric of the GPU, once per pod
+            lines.append(line.replace('"}', '",pod="job-a",namespace="ml",container="main"}'))
+            line = line.replace('"}', '",pod_name="job-b",pod_namespace="ml"}')
+        lines.append(line)
+    reading = read(Scrape("\n".join(lines) + "\n", at=T))
+    gpus = by_uuid(reading.samples)
+    assert gpus[A100_BUSY].pods == (("ml", "job-a"), ("ml", "job-b"))
+    assert gpus[A100_IDLE].pods == ()
 
 
 def test_two_scrape_jobs_on_one_exporter_are_one_gpu_each_from_the_freshest_scrape() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from vramshare.controller.attribution import device_plugin_node
 from vramshare.domain.holds import HolderState
 from vramshare.domain.ownership import ownership
 from vramshare.holder import NoSingleGpuError, the_gpu
@@ -93,3 +94,30 @@ def test_a_gpu_a_dra_driver_publishes_is_read_from_its_resource_slice() -> None:
         "(ResourceSlice node-a-gpu.nvidia.com-x7k)"
     )
     assert owned.reason(node="node-a", uuid="GPU-3") == ""
+
+
+def test_only_a_device_plugin_pod_that_is_not_a_holder_takes_a_gpu_dcgm_attributes_to_it() -> None:
+    def pod(namespace: str, *, resources: dict[str, str], component: str | None = None) -> dict[str, object]:
+        labels = {"app.kubernetes.io/component": component} if component else {}
+        return {
+            "metadata": {"namespace": namespace, "labels": labels},
+            "spec": {"nodeName": "n1", "containers": [{"name": "c", "resources": {"limits": resources}}]},
+        }
+
+    assert device_plugin_node(pod("ml", resources={"nvidia.com/gpu": "1"}), holders_namespace="vs") == "n1"
+    assert (
+        device_plugin_node(pod("ml", resources={"nvidia.com/mig-1g.10gb": "1"}), holders_namespace="vs")
+        == "n1"
+    )
+    # The exporter's own pod (a scrape's target labels) asks for no device.
+    assert device_plugin_node(pod("gpu-operator", resources={"cpu": "1"}), holders_namespace="vs") == ""
+    # vramshare's holder is vramshare's.
+    holder_pod_seen = pod("vs", resources={"nvidia.com/gpu": "1"}, component="gpu-holder")
+    assert device_plugin_node(holder_pod_seen, holders_namespace="vs") == ""
+    # The same labels elsewhere are a tenant's pod.
+    assert (
+        device_plugin_node(
+            pod("ml", resources={"nvidia.com/gpu": "1"}, component="gpu-holder"), holders_namespace="vs"
+        )
+        == "n1"
+    )

@@ -6,7 +6,7 @@ holder went is reported (Warning event on its GpuDevice, a metric, the log)."""
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import structlog
 
@@ -49,14 +49,20 @@ class HoldKeeper:
     def holders(self) -> list[Holder]:
         return list(self.state.holders.items.values())
 
-    def ownership(self, nodes: Iterable[NodeView], *, gpus_seen: dict[str, int]) -> Ownership:
+    def ownership(
+        self, nodes: Iterable[NodeView], *, gpus_seen: dict[str, int], taken: Mapping[str, str] | None = None
+    ) -> Ownership:
+        """`taken`: GPU -> the pod DCGM attributes it to (`vramshare.controller.attribution`)."""
         return ownership(
             (NodeGpus(name=n.name, labels=n.labels, allocatable=n.extended) for n in nodes),
             mode=self.settings.device_plugin_gpus,
             holders=self.holders,
             gpus_seen=gpus_seen,
             can_hold=bool(self.settings.holder_image),
-            elsewhere={uuid: dra_reason(gpu) for uuid, gpu in self.state.dra_gpus().items()},
+            elsewhere={
+                **(taken or {}),
+                **{uuid: dra_reason(gpu) for uuid, gpu in self.state.dra_gpus().items()},
+            },
         )
 
     async def keep(

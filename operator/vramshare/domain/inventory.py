@@ -48,6 +48,9 @@ class Sample:
     capacity_mib: int | None = None
     """The card's total where the exporter publishes it (DCGM_FI_DEV_FB_TOTAL or FB_CAPACITY_BYTES)."""
     mig: tuple[MigInstance, ...] = ()
+    pods: tuple[tuple[str, str], ...] = ()
+    """(namespace, name) of the pods DCGM attributes the GPU to (dcgm-exporter's Kubernetes mapping:
+    devices a device plugin allocated), as candidates: the controller confirms each."""
 
     @property
     def total_mib(self) -> int:

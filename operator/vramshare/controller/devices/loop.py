@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import structlog
 
+from vramshare.controller.attribution import PodAttribution
 from vramshare.controller.capacity import NodeCapacity
 from vramshare.controller.delivery_preflight import DeliveryPreflight
 from vramshare.controller.devices.reporting import InventoryReport, PollSteps
@@ -80,6 +81,7 @@ class InventoryLoop:
         self.preflight = DeliveryPreflight(kube=kube, settings=settings, state=state)
         self.capacity = NodeCapacity(kube=kube, state=state, resource=settings.memory_resource)
         self.holds = HoldKeeper(kube=kube, state=state, settings=settings, metrics=metrics)
+        self.attribution = PodAttribution(kube=kube, holders_namespace=settings.namespace)
 
     async def _reading(self) -> DcgmReading | None:
         try:
@@ -124,7 +126,9 @@ class InventoryLoop:
         gpus_seen: dict[str, int] = defaultdict(int)
         for node in ({k.gpu.uuid: k.gpu.node for k in known} | {s.uuid: s.node for s in samples}).values():
             gpus_seen[node] += 1
-        owned = self.holds.ownership(node_views, gpus_seen=gpus_seen)
+        owned = self.holds.ownership(
+            node_views, gpus_seen=gpus_seen, taken=await self.attribution.taken(samples)
+        )
         statuses = observe(
             known=known,
             samples=samples,
