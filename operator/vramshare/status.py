@@ -47,6 +47,8 @@ class GpuRow:
     """The delivery preflight's result for the configured mode (Delivers, CannotDeliver, Unknown)."""
     delivery_mode: str = ""
     delivery_message: str = ""
+    not_shared: str = ""
+    """Why the GPU is not vramshare's to share (state NotShared): who else hands it out."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -102,6 +104,7 @@ def from_objects(
                 delivery=st.delivery.result if st is not None and st.delivery else "",
                 delivery_mode=st.delivery.mode if st is not None and st.delivery else "",
                 delivery_message=st.delivery.message if st is not None and st.delivery else "",
+                not_shared=device.not_shared_reason,
             )
         )
     rows = []
@@ -200,6 +203,22 @@ def render(status: Status, *, all_phases: bool = True, wide: bool = False) -> st
     )
     cannot = "".join(
         f"\n  {node}: delivery mode {mode} cannot deliver: {why}" for node, mode, why in problems
+    )
+    # Not shared, once per reason; a booked one first: its hold went while tasks ran (GpuHoldLost).
+    reasons: dict[str, list[GpuRow]] = {}
+    for g in status.gpus:
+        if g.not_shared:
+            reasons.setdefault(g.not_shared, []).append(g)
+    lost = [g for g in status.gpus if g.not_shared and g.reserved_mib > 0]
+    cannot += "".join(
+        f"\n  {g.node} GPU {g.index}: not shared yet {g.reserved_mib} MiB booked on it (its hold lost? see "
+        "its GpuHoldLost event): the tasks keep it until they end, nothing new goes there"
+        for g in lost
+    )
+    cannot += "".join(
+        f"\n  not shared ({len(gs)} GPU{'s' if len(gs) > 1 else ''}: "
+        f"{', '.join(f'{g.node}/{g.index}' for g in gs[:4])}{' ...' if len(gs) > 4 else ''}): {why}"
+        for why, gs in sorted(reasons.items())
     )
     res = [r for r in status.reservations if all_phases or r.phase in ("Queued", "Reserved", "Bound")]
     res_rows = [

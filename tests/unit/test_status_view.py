@@ -239,3 +239,25 @@ def test_sample_ages_count_from_the_controllers_heartbeat_where_it_confirms_the_
     )
     assert from_objects([old], [], now=NOW, heartbeat=unconfirmed).gpus[0].sample_age_s == 600
     assert from_objects([old], [], now=NOW).gpus[0].sample_age_s == 600
+
+
+def test_gpus_not_shared_say_why_and_a_booked_one_is_called_out() -> None:
+    """`vramshare status` tells who else hands a GPU out, once per reason, and calls out a GPU that is
+    not shared but still booked: its hold went while tasks ran there (issue #43)."""
+    why = "not held: node gpu-node-a advertises nvidia.com/gpu: 8 (NVIDIA's device plugin ...)"
+
+    def not_shared(uuid: str, index: int, reserved: int) -> dict[str, object]:
+        device = json.loads(json.dumps(DEVICE))
+        device["spec"] |= {"uuid": uuid, "index": index}
+        device["status"] |= {
+            "state": "NotShared",
+            "reservedMiB": reserved,
+            "conditions": [{"type": "Ready", "status": "False", "reason": "NotShared", "message": why}],
+        }
+        return device
+
+    shown = render(from_objects([not_shared("GPU-a", 0, 0), not_shared("GPU-b", 1, 20480)], [], now=NOW))
+    assert shown.count(f"not shared (2 GPUs: gpu-node-a/0, gpu-node-a/1): {why}") == 1
+    assert "gpu-node-a GPU 1: not shared yet 20480 MiB booked on it" in shown
+    assert "GPU 0: not shared yet" not in shown
+    assert "not shared" not in render(from_objects([DEVICE], [], now=NOW))

@@ -239,6 +239,11 @@ class GpuDevice:
             not_shared=self._not_shared(),
         )
 
+    @property
+    def not_shared_reason(self) -> str:
+        """Why the GPU is not shared (its Ready condition's message), or "" where it is."""
+        return self._not_shared()
+
     def _not_shared(self) -> str:
         """Why the controller found the GPU not vramshare's to share (its Ready condition says)."""
         if self.status is None or self.status.state != DeviceState.NOT_SHARED.value:
