@@ -386,11 +386,20 @@ def test_holds_outlive_a_device_plugin_restart_and_a_kubelet_restart(stack: Stac
     component.start()
     component.wait_ready(timeout_s=60)
     assert stack.held() == before
+    log = stack.cluster.logs_dir / f"nvidia-device-plugin-{WHOLE}.log"
+
+    def registrations() -> int:
+        return log.read_text(errors="replace").count("Registered device plugin for 'nvidia.com/gpu'")
+
+    before_restart = registrations()
     kubelet = stack.cluster.component(f"kubelet-{WHOLE}")
     kubelet.stop()
     kubelet.start()
     kubelet.wait_ready(timeout_s=120)
-    # The plugin sees the kubelet's new socket and registers again (its own inotify watch).
+    # The plugin sees the kubelet's new socket and registers again (its own inotify watch). Until then
+    # the kubelet refuses device-plugin pods (UnexpectedAdmissionError): wait for it, not for the Node
+    # object, whose allocatable still says what the old kubelet wrote.
+    eventually(lambda: registrations() > before_restart, what="the plugin registered again", timeout_s=60)
     eventually(lambda: node.advertised_gpus() == 3, what="nvidia.com/gpu advertised again", timeout_s=60)
     assert stack.held() == before
     # The kubelet's checkpoint kept the holder's allocation: two jobs get the two other GPUs.
@@ -407,6 +416,44 @@ def test_holds_outlive_a_device_plugin_restart_and_a_kubelet_restart(stack: Stac
     assert held == before
     assert len(set(on.values())) == 2
     stack.cluster.kubectl("delete", "pod", "-n", OPEN, "job-3", "job-4", "--wait=false")
+
+
+def test_a_drained_node_loses_its_holds_reported_and_gets_none_until_uncordoned(stack: Stack) -> None:
+    eventually(lambda: len(stack.held()) >= 1, what="a GPU held", timeout_s=60, detail=stack.report)
+    assert stack.create(task("task-e", 1000))[0]
+    gpu = booked_gpu(stack, "task-e")
+    eventually(
+        lambda: running(stack, TASKS, "task-e"), what="task-e running", timeout_s=90, detail=stack.report
+    )
+    # Only the holders are drained (the chart's own pods stay to watch it): evicted, as a drain does.
+    stack.cluster.kubectl(
+        "drain", WHOLE, "--pod-selector=app.kubernetes.io/component=gpu-holder", "--force", "--timeout=60s"
+    )
+    events = eventually(
+        lambda: [
+            e
+            for e in stack.get("events", "-n", "default", "--field-selector", "reason=GpuHoldLost")["items"]
+            if gpu in e["message"] and "task-e" in e["message"]
+        ],
+        what="a GpuHoldLost event for task-e's GPU",
+        timeout_s=30,
+        detail=stack.report,
+    )
+    assert events
+    eventually(
+        lambda: stack.devices()[gpu]["state"] == "NotShared", what="its GPU out of sharing", timeout_s=30
+    )
+    time.sleep(6)  # three polls: a cordoned node gets no new holder
+    assert not [h for h in stack.holders() if not h["metadata"].get("deletionTimestamp")], stack.report()
+    assert running(stack, TASKS, "task-e")
+    stack.cluster.kubectl("uncordon", WHOLE)
+    eventually(
+        lambda: len(stack.held()) >= 1,
+        what="a GPU held again after uncordon",
+        timeout_s=90,
+        detail=stack.report,
+    )
+    stack.cluster.kubectl("delete", "pod", "-n", TASKS, "task-e", "--wait=false")
 
 
 def test_a_node_dedicated_by_label_is_shared_whole_whatever_its_plugin_does(stack: Stack) -> None:
