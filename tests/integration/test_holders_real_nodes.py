@@ -419,7 +419,7 @@ def test_holds_outlive_a_device_plugin_restart_and_a_kubelet_restart(stack: Stac
                     f"--field-selector=involvedObject.name={name}",
                     "-o",
                     "jsonpath={.items[*].message}",
-                )  # fmt: skip
+                )
             )
             stack.cluster.kubectl("delete", "pod", "-n", OPEN, name, "--wait=true")
             assert stack.create(whole_gpu_pod(name))[0]
