@@ -9,6 +9,7 @@ prints which pod has which GPU and who handed it out.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Callable
 from typing import Any
@@ -108,6 +109,19 @@ def run_real_node_demo(*, keep: bool, show: Callable[[str], None] = print) -> di
                 what=f"{namespace}/{name} to print its GPU",
                 timeout_s=120,
             )
+        # The controller holds another GPU once the tasks booked the idle one: let it (or see it wait).
+        with contextlib.suppress(AssertionError):
+            eventually(
+                lambda: (
+                    len(held()) >= 2
+                    or any(
+                        p["status"].get("phase") == "Pending"
+                        for p in _json(cluster, "pods", "-n", SYSTEM, "-l", HOLDER_SELECTOR)["items"]
+                    )
+                ),
+                what="the next hold",
+                timeout_s=30,
+            )
         holds = held()
         got = {f"{ns}/{n}": _gpu_in_log(cluster, ns, n) for n, ns in sorted(pods)}
         rows = [f"  {'pod':<24} {'GPU':<42} handed out by"]
@@ -126,6 +140,14 @@ def run_real_node_demo(*, keep: bool, show: Callable[[str], None] = print) -> di
                 f"  {SYSTEM + '/' + holder:<24} {gpu:<42} NVIDIA's device plugin, to vramshare's holder"
             )
         show("\nwho has which GPU on " + whole_node + ":\n" + "\n".join(rows))
+        waiting = sum(
+            p["status"].get("phase") == "Pending"
+            for p in _json(cluster, "pods", "-n", SYSTEM, "-l", HOLDER_SELECTOR)["items"]
+        )
+        show(
+            f"vramshare holds {len(holds)} of the node's GPUs (the tasks' and an idle one it keeps warm); "
+            f"{waiting} holder(s) wait for a GPU the device plugin has not got free"
+        )
         job_gpu = got[f"{JOBS}/job"]
         verdict = "held by vramshare: WRONG" if job_gpu in holds else "not one vramshare holds"
         show(
