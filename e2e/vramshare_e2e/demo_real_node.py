@@ -43,8 +43,8 @@ def _pod(name: str, namespace: str, *, mib: int | None = None, whole: bool = Fal
         container["resources"] = {"limits": {"nvidia.com/gpu": "1"}}
         spec["runtimeClassName"] = "nvidia"
     meta: dict[str, Any] = {"name": name, "namespace": namespace}
-    if mib is not None:
-        meta["annotations"] = {"gpu-mem-mb": str(mib)}
+    if mib is not None:  # on the real nodes' H100s, not the kwok nodes' (their pods run no container)
+        meta["annotations"] = {"gpu-mem-mb": str(mib), "gpu-model": "NVIDIA H100*"}
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": spec}
 
 
@@ -68,7 +68,7 @@ def run_real_node_demo(*, keep: bool, show: Callable[[str], None] = print) -> di
     with real_cluster(
         nodes=2,
         gpus=[1, 3],
-        device_plugins={3: DevicePluginSetup()},
+        device_plugins={2: DevicePluginSetup(), 3: DevicePluginSetup()},  # every GPU node, as the Operator
         managed=(TASKS,),
         values=[
             "--set",
@@ -80,80 +80,85 @@ def run_real_node_demo(*, keep: bool, show: Callable[[str], None] = print) -> di
         cluster = real.cluster
         cluster.kubectl("create", "namespace", JOBS)
         whole_node = real.nodes[1].name
-        show(
-            f"\nnode {whole_node}: NVIDIA's device plugin advertises nvidia.com/gpu: "
-            f"{real.nodes[1].advertised_gpus()}"
-        )
+        for node in real.nodes:
+            show(
+                f"node {node.name}: NVIDIA's device plugin advertises nvidia.com/gpu: "
+                f"{node.advertised_gpus()}"
+            )
 
-        def held() -> dict[str, str]:
+        def holders() -> list[dict[str, Any]]:
+            items: list[dict[str, Any]] = _json(cluster, "pods", "-n", SYSTEM, "-l", HOLDER_SELECTOR)["items"]
+            return items
+
+        def held() -> dict[str, dict[str, Any]]:
             return {
-                p["metadata"]["annotations"][ANNOTATION_HELD_GPU]: p["metadata"]["name"]
-                for p in _json(cluster, "pods", "-n", SYSTEM, "-l", HOLDER_SELECTOR)["items"]
+                p["metadata"]["annotations"][ANNOTATION_HELD_GPU]: p
+                for p in holders()
                 if p["status"].get("phase") == "Running"
                 and ANNOTATION_HELD_GPU in (p["metadata"].get("annotations") or {})
             }
 
-        eventually(held, what="vramshare to hold a GPU", timeout_s=120)
-        show(cluster.kubectl("get", "pods", "-n", SYSTEM, "-o", "wide"))
+        eventually(lambda: len(held()) == 2, what="vramshare to hold a GPU on each node", timeout_s=120)
+
+        def ready(uuids: set[str]) -> bool:
+            devices = _json(cluster, "gpudevices")["items"]
+            return uuids <= {
+                d["spec"]["uuid"] for d in devices if (d.get("status") or {}).get("state") == "Ready"
+            }
+
+        eventually(lambda: ready(set(held())), what="the held GPUs Ready for bookings", timeout_s=60)
+        show("\n" + cluster.kubectl("get", "pods", "-n", SYSTEM, "-o", "wide"))
         show(
-            "\nkubectl create: a whole-GPU training job (nvidia.com/gpu: 1) and two tasks "
-            "(gpu-mem-mb 20000 each)"
+            "\nkubectl create: a whole-GPU training job (nvidia.com/gpu: 1) on "
+            f"{whole_node} and two tasks (gpu-mem-mb 20000 each)"
         )
-        cluster.kubectl("create", "-f", "-", stdin=json.dumps(_pod("job", JOBS, whole=True)))
+        job = _pod("job", JOBS, whole=True)
+        job["spec"]["nodeSelector"] = {"kubernetes.io/hostname": whole_node}
+        cluster.kubectl("create", "-f", "-", stdin=json.dumps(job))
         for name in ("task-1", "task-2"):
             cluster.kubectl("create", "-f", "-", stdin=json.dumps(_pod(name, TASKS, mib=20_000)))
-        pods = {("job", JOBS), ("task-1", TASKS), ("task-2", TASKS)}
-        for name, namespace in sorted(pods):
+        pods = [("job", JOBS), ("task-1", TASKS), ("task-2", TASKS)]
+        for name, namespace in pods:
             eventually(
                 lambda n=name, ns=namespace: _gpu_in_log(cluster, ns, n),  # type: ignore[misc]
                 what=f"{namespace}/{name} to print its GPU",
                 timeout_s=120,
             )
-        # The controller holds another GPU once the tasks booked the idle one: let it (or see it wait).
+        # A node whose idle held GPU a task booked holds another, where its plugin has one free.
         with contextlib.suppress(AssertionError):
-            eventually(
-                lambda: (
-                    len(held()) >= 2
-                    or any(
-                        p["status"].get("phase") == "Pending"
-                        for p in _json(cluster, "pods", "-n", SYSTEM, "-l", HOLDER_SELECTOR)["items"]
-                    )
-                ),
-                what="the next hold",
-                timeout_s=30,
-            )
+            eventually(lambda: len(holders()) > 2, what="another hold", timeout_s=20)
+            eventually(lambda: len(held()) == len(holders()), what="the holds taken", timeout_s=30)
         holds = held()
-        got = {f"{ns}/{n}": _gpu_in_log(cluster, ns, n) for n, ns in sorted(pods)}
-        rows = [f"  {'pod':<24} {'GPU':<42} handed out by"]
-        for pod, gpu in got.items():
-            who = (
-                "NVIDIA's device plugin, whole" if pod.startswith(JOBS) else "vramshare, by memory (held GPU)"
-            )
-            if pod.startswith(TASKS):
-                booked = _json(cluster, "pod", "-n", TASKS, pod.split("/")[1])["metadata"]["annotations"][
-                    ANNOTATION_GPU_UUID
-                ]
-                who += "" if booked == gpu else f" (booked {booked}!)"
-            rows.append(f"  {pod:<24} {gpu:<42} {who}")
-        for gpu, holder in sorted(holds.items()):
+        rows = [f"  {'node':<11} {'pod':<34} {'GPU':<42} handed out by"]
+        got = {}
+        for name, namespace in pods:
+            pod = _json(cluster, "pod", "-n", namespace, name)
+            gpu = got[f"{namespace}/{name}"] = _gpu_in_log(cluster, namespace, name)
+            if namespace == JOBS:
+                who = "NVIDIA's device plugin, whole"
+            else:
+                booked = pod["metadata"]["annotations"][ANNOTATION_GPU_UUID]
+                ok = booked == gpu and gpu in holds
+                who = "vramshare, by memory, on a GPU it holds" if ok else f"WRONG: booked {booked}"
+            rows.append(f"  {pod['spec']['nodeName']:<11} {namespace + '/' + name:<34} {gpu:<42} {who}")
+        for gpu, holder in sorted(holds.items(), key=lambda kv: str(kv[1]["spec"]["nodeName"])):
             rows.append(
-                f"  {SYSTEM + '/' + holder:<24} {gpu:<42} NVIDIA's device plugin, to vramshare's holder"
+                f"  {holder['spec']['nodeName']:<11} {SYSTEM + '/' + holder['metadata']['name']:<34} "
+                f"{gpu:<42} NVIDIA's device plugin, to vramshare's holder"
             )
-        show("\nwho has which GPU on " + whole_node + ":\n" + "\n".join(rows))
-        waiting = sum(
-            p["status"].get("phase") == "Pending"
-            for p in _json(cluster, "pods", "-n", SYSTEM, "-l", HOLDER_SELECTOR)["items"]
-        )
+        show("\nwho has which GPU:\n" + "\n".join(rows))
+        per_node: dict[str, int] = {}
+        for holder in holds.values():
+            per_node[holder["spec"]["nodeName"]] = per_node.get(holder["spec"]["nodeName"], 0) + 1
+        waiting = sum(p["status"].get("phase") == "Pending" for p in holders())
         show(
-            f"vramshare holds {len(holds)} of the node's GPUs (the tasks' and an idle one it keeps warm); "
-            f"{waiting} holder(s) wait for a GPU the device plugin has not got free"
+            "vramshare holds "
+            + ", ".join(f"{n} GPU{'s' if n > 1 else ''} on {node}" for node, n in sorted(per_node.items()))
+            + f" (its tasks' and an idle one per node, kept warm); {waiting} holder(s) wait for a free GPU"
         )
         job_gpu = got[f"{JOBS}/job"]
         verdict = "held by vramshare: WRONG" if job_gpu in holds else "not one vramshare holds"
-        show(
-            f"the job's GPU {job_gpu} is {verdict}; "
-            f"the tasks share {', '.join(sorted({got[f'{TASKS}/task-1'], got[f'{TASKS}/task-2']}))}"
-        )
+        show(f"the job's GPU {job_gpu} is {verdict}")
         show(
             "\n"
             + cluster.kubectl("describe", "node", whole_node)
