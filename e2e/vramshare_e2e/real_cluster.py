@@ -204,20 +204,23 @@ def real_cluster(
     gpus: Sequence[int] | None = None,
     device_plugins: Mapping[int, DevicePluginSetup] | None = None,
     values: Sequence[str] = (),
+    first_node: int = 2,
 ) -> Iterator[RealCluster]:
-    """A local cluster with `nodes` real nodes (198.18.0.2 and up) and vramshare installed by its chart
-    (with `values`); `gpus[n]` fake GPUs on the n-th node; NVIDIA's device plugin on the nodes
-    `device_plugins` numbers; `managed` namespaces are created labelled vramshare.io/managed=true, and
-    with `labels[namespace]`.
+    """A local cluster with `nodes` real nodes (198.18.0.`first_node` and up) and vramshare installed by
+    its chart (with `values`); `gpus[n]` fake GPUs on the n-th node; NVIDIA's device plugin on the nodes
+    `device_plugins` numbers (test modules that may run at once take different node numbers: a node's
+    address, cgroups and mount namespace are its number's); `managed` namespaces are created labelled
+    vramshare.io/managed=true, and with `labels[namespace]`.
     The labels are there from creation: one added afterwards reaches the API server's and the webhook's
     namespace caches a moment later, and a pod created in that moment misses them."""
     image = product_image(images_cache())
-    names = tuple(node_address(n) for n in range(2, 2 + nodes))
+    numbers = range(first_node, first_node + nodes)
+    names = tuple(node_address(n) for n in numbers)
     plugins = device_plugins or {}
     with LocalCluster.start(settings=ClusterSettings(fleet=real_node_fleet(names, gpus))) as local:
         real = RealCluster(
             cluster=local,
-            nodes=[RealNode.create(local, n, device_plugin=plugins.get(n)) for n in range(2, 2 + nodes)],
+            nodes=[RealNode.create(local, n, device_plugin=plugins.get(n)) for n in numbers],
             image=image,
             values=values,
         )

@@ -33,7 +33,8 @@ from vramshare_e2e.real_cluster import NAMESPACE, RealCluster, real_cluster
 
 pytestmark = pytest.mark.cluster
 
-SLICED, WHOLE = node_address(2), node_address(3)
+SLICED, WHOLE = node_address(4), node_address(5)
+"""Not 2 and 3: test_real_node_e2e's nodes, whose module may run at the same time on another worker."""
 GPUS = {SLICED: [stable_gpu_uuid(SLICED, 0)], WHOLE: [stable_gpu_uuid(WHOLE, i) for i in range(3)]}
 TASKS, OPEN = "tasks", "open"
 """TASKS is managed (vramshare's GPU tasks); OPEN is not (pods asking NVIDIA's plugin for whole GPUs)."""
@@ -118,7 +119,8 @@ def stack() -> Iterator[Stack]:
     with real_cluster(
         nodes=2,
         gpus=[1, 3],
-        device_plugins={2: DevicePluginSetup(replicas=4), 3: DevicePluginSetup()},
+        device_plugins={4: DevicePluginSetup(replicas=4), 5: DevicePluginSetup()},
+        first_node=4,
         managed=(TASKS,),
         values=values,
     ) as real:
