@@ -121,7 +121,20 @@ def test_settings_are_named_as_the_components_name_them() -> None:
         "VRAMSHARE_TLS_KEY_FILE",
         "VRAMSHARE_TLS_SYNC_INTERVAL_S",
     }
-    assert controller_fields - set(controller) == {"VRAMSHARE_KUBECONFIG", "VRAMSHARE_METRICS_HOST"}
+    # The holders' API server address comes from global.apiServer, where it is set.
+    assert controller_fields - set(controller) == {
+        "VRAMSHARE_KUBECONFIG",
+        "VRAMSHARE_METRICS_HOST",
+        "VRAMSHARE_HOLDER_API_SERVER",
+    }
+    with_api = env(
+        find(
+            render("--set", "global.apiServer.host=10.0.0.1", "--set", "global.apiServer.port=6443"),
+            "Deployment",
+            "-controller",
+        )
+    )
+    assert with_api["VRAMSHARE_HOLDER_API_SERVER"] == "10.0.0.1:6443"
     assert webhook["VRAMSHARE_POLICY"] == controller["VRAMSHARE_POLICY"] == "binpack"  # queued pods too
     assert webhook["VRAMSHARE_QUEUE_BY_DEFAULT"] == "true"
     assert webhook["VRAMSHARE_DENIAL_CODE"] == "429"

@@ -191,6 +191,25 @@ async def test_a_name_already_taken_is_refused_as_already_existing_and_books_not
     assert ledger.objects == []
 
 
+@pytest.mark.parametrize(
+    ("meta", "field"),
+    [({"name": ":"}, "metadata.name"), ({"name": "", "generateName": "Task-"}, "metadata.generateName")],
+)
+async def test_a_pod_name_the_api_server_would_refuse_is_a_400_and_books_nothing(
+    meta: dict[str, str], field: str
+) -> None:
+    """A fuzzed review with metadata.name ':' was answered 500: the booking named after it was refused
+    by the API server (422). A name is a lower-case RFC 1123 subdomain; anything else is said so."""
+    ledger = MemoryLedger()
+    review = await admitter(ledger).review(request(**meta))
+    status = review["response"]["status"]
+    assert status["code"] == 400
+    assert f"{field} " in status["message"]
+    assert "is not a pod name" in status["message"]
+    assert ledger.objects == []
+    assert (await admitter(ledger).review(request(name="task-1.b")))["response"]["allowed"]
+
+
 @pytest.mark.parametrize(("mib", "problem"), [("abc", "it is not a number"), ("0", "it is zero")])
 async def test_invalid_annotation_is_a_400(mib: str, problem: str) -> None:
     review = await admitter(MemoryLedger()).review(request(mib))
