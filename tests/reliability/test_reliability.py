@@ -6,6 +6,7 @@ Every figure it measures is printed with a `[reliability]` prefix for docs/bench
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -322,13 +323,24 @@ def test_concurrency_with_crashes_keeps_every_promise(stack: Stack) -> None:
     eventually(settled, what="active reservations == admitted pods, all Bound", timeout_s=TTL_S + 30)
     everything = stack.reservations()
     expired = sum(1 for r in everything if r.get("status", {}).get("phase") == "Expired")
-    leaked = sum(
-        1
-        for r in everything
-        if r["metadata"].get("labels", {}).get("vramshare.io/active") != "false"
-        and (r["metadata"]["namespace"], r["metadata"]["name"])
-        not in {(ns, n) for (ns, _), n in admitted.items()}
-    )
+
+    def leaks() -> int:
+        """Bookings of no admitted pod still labelled active (the webhook's LIST would read them)."""
+        return sum(
+            1
+            for r in stack.reservations()
+            if r["metadata"].get("labels", {}).get("vramshare.io/active") != "false"
+            and (r["metadata"]["namespace"], r["metadata"]["name"])
+            not in {(ns, n) for (ns, _), n in admitted.items()}
+        )
+
+    # A booking's end is two writes, its status then its label (a CI run read between them once):
+    # the label must follow within a lifecycle sweep, and no active booking may remain.
+    lagging = leaks()
+    if lagging:
+        with contextlib.suppress(AssertionError):  # the assertion below says what stayed
+            eventually(lambda: leaks() == 0, what="ended bookings labelled inactive", timeout_s=20)
+    leaked = leaks()
     fill = sum(peak.values()) / sum(capacity.values())
     # Every container of every admitted pod, the injected sidecar included, is on its pod's GPU.
     unpinned = 0
@@ -340,7 +352,8 @@ def test_concurrency_with_crashes_keeps_every_promise(stack: Stack) -> None:
                 unpinned += values != [uuid]
     report(
         f"bookings expired (quota rejections after admission, orphans of the killed webhook): {expired}; "
-        f"leaked active reservations: {leaked}; containers not pinned to their pod's GPU: {unpinned}; "
+        f"leaked active reservations: {leaked} ({lagging} with the label behind at first look); "
+        f"containers not pinned to their pod's GPU: {unpinned}; "
         f"peak ledger fill {fill:.0%} of capacity minus margin; 0 violations in continuous checks"
     )
     assert leaked == 0
