@@ -18,6 +18,7 @@ from vramshare.kube.pods import (
     node_rules,
     other_gates,
     pinned_nodes,
+    requested_device_resources,
 )
 from vramshare.kube.resources import (
     ANNOTATION_GPU_INDEX,
@@ -139,31 +140,6 @@ def display_name(pod: Obj) -> str:
     """The pod's name, or its generateName prefix followed by '*' before the API server names it."""
     meta = pod.get("metadata", {})
     return str(meta.get("name") or (str(meta.get("generateName") or "pod") + "*"))
-
-
-def requested_device_resources(pod: Obj) -> list[str]:
-    """`nvidia.com/*` resources any container requests: such pods belong to the device plugin. A
-    quantity of zero asks for no device (the plugin gives the container none), so it does not count:
-    such a pod is hidden like any other, or a CUDA image in it would see every GPU."""
-    found = set()
-    for _, _, c in _containers(pod):
-        resources = c.get("resources") or {}
-        for section in ("limits", "requests"):
-            for name, quantity in (resources.get(section) or {}).items():
-                if str(name).startswith("nvidia.com/") and not _zero(quantity):
-                    found.add(str(name))
-    return sorted(found)
-
-
-_QUANTITY = re.compile(r"[+]?([0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+|[kMGTPE]i?|[mun])?", re.ASCII)
-
-
-def _zero(quantity: object) -> bool:
-    """Whether a resource quantity as the API server sends it ("0", "0m", "0.0", 0) is zero."""
-    if isinstance(quantity, int | float) and not isinstance(quantity, bool):
-        return quantity == 0
-    match = _QUANTITY.fullmatch(str(quantity).strip())
-    return match is not None and float(match.group(1)) == 0
 
 
 @dataclass(frozen=True, kw_only=True)

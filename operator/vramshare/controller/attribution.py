@@ -17,11 +17,11 @@ from dataclasses import dataclass
 from vramshare.domain.inventory import Sample
 from vramshare.kube.client import ApiError, KubeClient, Obj
 from vramshare.kube.holders import HOLDER_COMPONENT, LABEL_COMPONENT
+from vramshare.kube.pods import requested_device_resources
 from vramshare.kube.resources import is_object_name, pod_path
 
 VERDICT_TTL_S = 30.0
 CHECKS_PER_POLL = 20
-DEVICE_PLUGIN_PREFIX = "nvidia.com/"
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,13 +39,7 @@ def device_plugin_node(pod: Obj, *, holders_namespace: str) -> str:
         and (meta.get("labels") or {}).get(LABEL_COMPONENT) == HOLDER_COMPONENT
     ):
         return ""
-    containers = [*(spec.get("containers") or []), *(spec.get("initContainers") or [])]
-    for container in containers:
-        resources = container.get("resources") or {}
-        asked = {**(resources.get("requests") or {}), **(resources.get("limits") or {})}
-        if any(name.startswith(DEVICE_PLUGIN_PREFIX) for name in asked):
-            return str(spec.get("nodeName") or "")
-    return ""
+    return str(spec.get("nodeName") or "") if requested_device_resources(pod) else ""
 
 
 class PodAttribution:

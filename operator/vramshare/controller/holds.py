@@ -10,6 +10,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import structlog
 
+from vramshare.controller.devices.writer import post_device_event
 from vramshare.controller.metrics import ControllerMetrics
 from vramshare.controller.settings import ControllerSettings
 from vramshare.controller.state import ClusterState
@@ -20,9 +21,9 @@ from vramshare.domain.ownership import DevicePluginGpus, NodeGpus, Ownership, ow
 from vramshare.domain.scheduling import NodeView
 from vramshare.kube.client import ApiError, KubeClient
 from vramshare.kube.dra import dra_reason
-from vramshare.kube.events import Event, Involved, post_event
+from vramshare.kube.events import Event
 from vramshare.kube.holders import ANNOTATION_RELEASE, holder_pod
-from vramshare.kube.resources import API_VERSION, device_name, pod_path, pods_path
+from vramshare.kube.resources import device_name, pod_path, pods_path
 
 log = structlog.get_logger("vramshare.controller")
 
@@ -192,13 +193,10 @@ class HoldKeeper:
         device = self.state.devices.items.get(f"/{device_name(holder.gpu_uuid)}")
         if device is None:
             return
-        await post_event(
+        await post_device_event(
             self.kube,
-            namespace="default",
-            involved=Involved(
-                api_version=API_VERSION, kind="GpuDevice", name=device.meta.name, uid=device.meta.uid
-            ),
-            event=Event(type="Warning", reason="GpuHoldLost", message=message),
+            device,
+            Event(type="Warning", reason="GpuHoldLost", message=message),
             now=now,
             reporter=self.settings.identity,
         )

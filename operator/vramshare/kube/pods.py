@@ -9,6 +9,7 @@ scheduling gates), and then lifts its gate.
 from __future__ import annotations
 
 import copy
+import re
 from typing import Any
 
 from vramshare.domain.scheduling import NodeRules, NodeView, Requirement, Taint, Term, Toleration
@@ -231,3 +232,30 @@ def node_view(node: Obj) -> NodeView:
         ),
         extended={str(k): str(v) for k, v in (status.get("allocatable") or {}).items() if "/" in str(k)},
     )
+
+
+def requested_device_resources(pod: Obj) -> list[str]:
+    """`nvidia.com/*` resources any container requests: such pods belong to the device plugin. A
+    quantity of zero asks for no device (the plugin gives the container none), so it does not count:
+    such a pod is hidden like any other, or a CUDA image in it would see every GPU."""
+    found = set()
+    spec = pod.get("spec") or {}
+    containers = [c for key in ("initContainers", "containers") for c in spec.get(key) or []]
+    for c in (c for c in containers if isinstance(c, dict)):
+        resources = c.get("resources") or {}
+        for section in ("limits", "requests"):
+            for name, quantity in (resources.get(section) or {}).items():
+                if str(name).startswith("nvidia.com/") and not _zero(quantity):
+                    found.add(str(name))
+    return sorted(found)
+
+
+_QUANTITY = re.compile(r"[+]?([0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+|[kMGTPE]i?|[mun])?", re.ASCII)
+
+
+def _zero(quantity: object) -> bool:
+    """Whether a resource quantity as the API server sends it ("0", "0m", "0.0", 0) is zero."""
+    if isinstance(quantity, int | float) and not isinstance(quantity, bool):
+        return quantity == 0
+    match = _QUANTITY.fullmatch(str(quantity).strip())
+    return match is not None and float(match.group(1)) == 0

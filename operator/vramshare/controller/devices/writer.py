@@ -227,14 +227,20 @@ class DeviceWriter:
         )
 
     async def _device_event(self, device: GpuDevice, event: Event, *, now: float) -> None:
-        """An event about a GpuDevice (cluster-scoped, so recorded in the default namespace)."""
-        await post_event(
-            self.kube,
-            namespace="default",
-            involved=Involved(
-                api_version=API_VERSION, kind="GpuDevice", name=device.meta.name, uid=device.meta.uid
-            ),
-            event=event,
-            now=now,
-            reporter=self.settings.identity,
-        )
+        await post_device_event(self.kube, device, event, now=now, reporter=self.settings.identity)
+
+
+async def post_device_event(
+    kube: KubeClient, device: GpuDevice, event: Event, *, now: float, reporter: str
+) -> None:
+    """An event about a GpuDevice (cluster-scoped, so recorded in the default namespace)."""
+    await post_event(
+        kube,
+        namespace="default",
+        involved=Involved(
+            api_version=API_VERSION, kind="GpuDevice", name=device.meta.name, uid=device.meta.uid
+        ),
+        event=event,
+        now=now,
+        reporter=reporter,
+    )
