@@ -37,8 +37,7 @@ def start_two_replicas(local: LocalCluster, *, names: dict[str, str], env: dict[
     }
     local.apply_objects([webhook_configuration(local, ports=ports)])
     for s in ports:
-        local.kubectl("create", "namespace", f"jobs-{s}")
-        local.kubectl("label", "namespace", f"jobs-{s}", f"vramshare-e2e/shard={s}")
+        local.create_namespace(f"jobs-{s}", {"vramshare-e2e/shard": s})
     start_controller(local, name="controller")
     eventually(
         lambda: (

@@ -79,10 +79,11 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         )[1]
         local.apply_objects([webhook_configuration(local, ports={"af": port})])
         for namespace in ("airflow", "executor", "executor-forbidden", "executor-429", "executor-blockers"):
-            local.kubectl("create", "namespace", namespace)
-            local.kubectl("label", "namespace", namespace, "vramshare-e2e/shard=af")
-        local.kubectl("label", "namespace", "executor-forbidden", "vramshare.io/refusal=forbidden")
-        local.kubectl("label", "namespace", "executor-429", "vramshare.io/refusal=retry-after")
+            refusal = {"executor-forbidden": "forbidden", "executor-429": "retry-after"}.get(namespace)
+            local.create_namespace(
+                namespace,
+                {"vramshare-e2e/shard": "af", **({"vramshare.io/refusal": refusal} if refusal else {})},
+            )
         start_controller(
             local,
             name="controller",

@@ -52,10 +52,7 @@ def stack() -> Iterator[LocalCluster]:
         port = start_webhook(local, name="webhook-ahead", env=ahead(WEBHOOK_AHEAD_S))[1]
         local.apply_objects([webhook_configuration(local, ports={"ahead": port})])
         start_mutating_webhook(local, mode="sidecar")
-        local.kubectl("create", "namespace", "injected")
-        local.kubectl(
-            "label", "namespace", "injected", "vramshare-e2e/shard=ahead", "e2e.vramshare.io/sidecar=on"
-        )
+        local.create_namespace("injected", {"vramshare-e2e/shard": "ahead", "e2e.vramshare.io/sidecar": "on"})
         yield local
 
 

@@ -53,8 +53,7 @@ def stack() -> Iterator[LocalCluster]:
     with LocalCluster.start() as local:
         port = start_webhook(local, name="webhook", env={"VRAMSHARE_SETTLE_S": "2"})[1]
         local.apply_objects([webhook_configuration(local, ports={"ctl": port})])
-        local.kubectl("create", "namespace", "jobs")
-        local.kubectl("label", "namespace", "jobs", "vramshare-e2e/shard=ctl")
+        local.create_namespace("jobs", {"vramshare-e2e/shard": "ctl"})
         start_controller(local, name="controller-1", env=CONTROLLER_ENV)
         yield local
 
@@ -663,8 +662,7 @@ def test_a_deleted_namespace_keeps_its_bookings_until_its_pods_are_gone(
     by hand what the older namespace controller did: delete the namespace's GpuReservations as well.
     Before: the booking was gone at once."""
     ns = "doomed"
-    stack.kubectl("create", "namespace", ns)
-    stack.kubectl("label", "namespace", ns, "vramshare-e2e/shard=ctl")
+    stack.create_namespace(ns, {"vramshare-e2e/shard": "ctl"})
     pod = core.create_namespaced_pod(ns, terminating_pod("still-running", 3000))
     res = pod.metadata.annotations[ANNOTATION_RESERVATION]
     eventually(lambda: reservation(stack, res, ns).get("status", {}).get("phase") == "Bound", what="Bound")

@@ -29,8 +29,7 @@ def stack() -> Iterator[LocalCluster]:
     with LocalCluster.start() as local:
         port = start_webhook(local, name="webhook", env={"VRAMSHARE_SETTLE_S": "2"})[1]
         local.apply_objects([webhook_configuration(local, ports={"dp": port})])
-        local.kubectl("create", "namespace", "jobs")
-        local.kubectl("label", "namespace", "jobs", "vramshare-e2e/shard=dp")
+        local.create_namespace("jobs", {"vramshare-e2e/shard": "dp"})
         start_controller(local, name="controller", env={"VRAMSHARE_POLL_INTERVAL_S": "1"})
         yield local
 

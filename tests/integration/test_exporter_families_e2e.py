@@ -66,8 +66,7 @@ def stack() -> Iterator[tuple[LocalCluster, int]]:
     with LocalCluster.start(settings=ClusterSettings(fleet=fleet(), scrape_jobs=2)) as local:
         port = start_webhook(local, name="webhook", env={"VRAMSHARE_SETTLE_S": "2"})[1]
         local.apply_objects([webhook_configuration(local, ports={"fam": port})])
-        local.kubectl("create", "namespace", "jobs")
-        local.kubectl("label", "namespace", "jobs", "vramshare-e2e/shard=fam")
+        local.create_namespace("jobs", {"vramshare-e2e/shard": "fam"})
         metrics_port = start_controller(local, name="controller", env=CONTROLLER_ENV)[1]
         yield local, metrics_port
 

@@ -46,8 +46,7 @@ def stack() -> Iterator[LocalCluster]:
         port = start_webhook(local, name="webhook", env=ENV)[1]
         local.apply_objects([webhook_configuration(local, ports={"f": port})])
         for ns in ("light", "heavy", "other"):
-            local.kubectl("create", "namespace", ns)
-            local.kubectl("label", "namespace", ns, "vramshare-e2e/shard=f", "vramshare.io/queue=true")
+            local.create_namespace(ns, {"vramshare-e2e/shard": "f", "vramshare.io/queue": "true"})
         start_controller(
             local,
             name="controller",

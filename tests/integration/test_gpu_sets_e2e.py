@@ -44,14 +44,9 @@ def stack() -> Iterator[LocalCluster]:
         start_mutating_webhook(local, mode="label")
         start_mutating_webhook(local, mode="sidecar")
         for ns in SHARDS:
-            local.kubectl("create", "namespace", ns)
-            local.kubectl(
-                "label",
-                "namespace",
+            local.create_namespace(
                 ns,
-                f"vramshare-e2e/shard={ns}",
-                "e2e.vramshare.io/label=on",
-                "e2e.vramshare.io/sidecar=on",
+                {"vramshare-e2e/shard": ns, "e2e.vramshare.io/label": "on", "e2e.vramshare.io/sidecar": "on"},
             )
         start_controller(
             local,

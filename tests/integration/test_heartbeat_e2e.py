@@ -37,8 +37,7 @@ def stack() -> Iterator[LocalCluster]:
     with LocalCluster.start() as local:
         port = start_webhook(local, name="webhook", env=SHARED)[1]
         local.apply_objects([webhook_configuration(local, ports={"hb": port})])
-        local.kubectl("create", "namespace", "jobs")
-        local.kubectl("label", "namespace", "jobs", "vramshare-e2e/shard=hb")
+        local.create_namespace("jobs", {"vramshare-e2e/shard": "hb"})
         start_controller(local, name="controller", env=CONTROLLER_ENV)
         eventually(
             lambda: len(devices(local)) == len(local.settings.fleet.all_gpus()),

@@ -48,9 +48,8 @@ def stack() -> Iterator[tuple[LocalCluster, int]]:
         # A sidecar injector after vramshare: the policy is reinvoked for the container it adds.
         start_mutating_webhook(local, mode="sidecar")
         for namespace, shard in ((WEBHOOK_ONLY, "wh"), (IN_PROCESS, "ip")):
-            local.kubectl("create", "namespace", namespace)
-            local.kubectl(
-                "label", "namespace", namespace, f"vramshare-e2e/shard={shard}", "e2e.vramshare.io/sidecar=on"
+            local.create_namespace(
+                namespace, {"vramshare-e2e/shard": shard, "e2e.vramshare.io/sidecar": "on"}
             )
 
         # The API server takes up a new admission policy a moment after it is created: until then a plain

@@ -39,8 +39,7 @@ def stack() -> Iterator[LocalCluster]:
     with LocalCluster.start() as local:
         port = start_webhook(local, name="webhook", env=ENV)[1]
         local.apply_objects([webhook_configuration(local, ports={"k": port})])
-        local.kubectl("create", "namespace", NS)
-        local.kubectl("label", "namespace", NS, "vramshare-e2e/shard=k", f"{SELECTOR_LABEL}=on")
+        local.create_namespace(NS, {"vramshare-e2e/shard": "k", SELECTOR_LABEL: "on"})
         start_controller(
             local,
             name="controller",

@@ -70,15 +70,13 @@ def core(stack: LocalCluster) -> client.CoreV1Api:
 
 
 def make_namespace(stack: LocalCluster, name: str, *, shard: str = "a", **labels: str) -> str:
-    stack.kubectl("create", "namespace", name)
     all_labels = {
         "vramshare-e2e/shard": shard,
         "e2e.vramshare.io/label": "on",
         "e2e.vramshare.io/sidecar": "on",
         **labels,
     }
-    stack.kubectl("label", "namespace", name, *(f"{k}={v}" for k, v in all_labels.items()))
-    return name
+    return stack.create_namespace(name, all_labels)
 
 
 def devices(stack: LocalCluster) -> dict[str, dict[str, Any]]:

@@ -36,8 +36,7 @@ def stack() -> Iterator[LocalCluster]:
             local, name="webhook", env={"VRAMSHARE_SETTLE_S": "2", "VRAMSHARE_HOLD_MIN_MIB": "0"}
         )[1]
         local.apply_objects([webhook_configuration(local, ports={"nodes": port})])
-        local.kubectl("create", "namespace", NS)
-        local.kubectl("label", "namespace", NS, "vramshare-e2e/shard=nodes")
+        local.create_namespace(NS, {"vramshare-e2e/shard": "nodes"})
         start_controller(
             local,
             name="controller",

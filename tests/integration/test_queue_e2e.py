@@ -58,16 +58,15 @@ def stack() -> Iterator[LocalCluster]:
         start_mutating_webhook(local, mode="label")
         start_mutating_webhook(local, mode="sidecar")
         for ns in (NS, QUOTA_NS):
-            local.kubectl("create", "namespace", ns)
             # Queue mode by namespace label; the webhook shard and the other webhooks by the harness's.
-            local.kubectl(
-                "label",
-                "namespace",
+            local.create_namespace(
                 ns,
-                "vramshare-e2e/shard=q",
-                "vramshare.io/queue=true",
-                "e2e.vramshare.io/label=on",
-                "e2e.vramshare.io/sidecar=on",
+                {
+                    "vramshare-e2e/shard": "q",
+                    "vramshare.io/queue": "true",
+                    "e2e.vramshare.io/label": "on",
+                    "e2e.vramshare.io/sidecar": "on",
+                },
             )
         local.apply_objects(
             [

@@ -41,8 +41,7 @@ def stack() -> Iterator[LocalCluster]:
         ports = [start_webhook(local, name=f"webhook-{i}", env=ENV)[1] for i in (1, 2)]
         service = start_endpoints(local, backends=ports)
         local.apply_objects([webhook_configuration(local, ports={NS: service})])
-        local.kubectl("create", "namespace", NS)
-        local.kubectl("label", "namespace", NS, f"vramshare-e2e/shard={NS}")
+        local.create_namespace(NS, {"vramshare-e2e/shard": NS})
         start_controller(local, name="controller", env={"VRAMSHARE_POLL_INTERVAL_S": "1"})
         wait_for_gpu_devices(local)
         yield local

@@ -63,11 +63,10 @@ def stack() -> Iterator[LocalCluster]:
         service = start_endpoints(local, backends=ports)
         local.apply_objects([webhook_configuration(local, ports={SHARD: service})])
         for ns in NAMESPACES:
-            local.kubectl("create", "namespace", ns)
-            local.kubectl("label", "namespace", ns, f"vramshare-e2e/shard={SHARD}")
-        local.kubectl(
-            "label", "namespace", "mallory-restricted", "pod-security.kubernetes.io/enforce=restricted"
-        )
+            restricted = (
+                {"pod-security.kubernetes.io/enforce": "restricted"} if ns == "mallory-restricted" else {}
+            )
+            local.create_namespace(ns, {"vramshare-e2e/shard": SHARD, **restricted})
         quotas = [
             {
                 "apiVersion": "v1",
