@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import copy
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import Any
 
@@ -189,6 +191,68 @@ async def test_a_name_already_taken_is_refused_as_already_existing_and_books_not
     assert (status["code"], status["reason"]) == (409, "AlreadyExists")
     assert 'pods "task" already exists' in status["message"]
     assert ledger.objects == []
+
+
+@pytest.mark.parametrize(
+    ("mib", "annotations", "the_way_out"),
+    [
+        ("20000", {}, "a refusal"),
+        ("8000", {"gpu-queue": "true"}, "a queue entry"),
+        ("14000", {}, "a hold for a task refused again"),
+    ],
+)
+async def test_a_taken_name_is_answered_as_taken_on_every_way_out_and_books_nothing(
+    mib: str, annotations: dict[str, str], the_way_out: str
+) -> None:
+    """The name's look-up runs while the pod is placed (issue #45); whatever the placement would have
+    said, a taken name is the answer, and nothing is written: no queue entry, no hold."""
+    ledger = MemoryLedger()
+    ledger.gpus = (gpu("GPU-a", total=16_384, used=14_000 if the_way_out == "a queue entry" else 0),)
+    ledger.pods.add("task")
+    hook = admitter(ledger, max_holds=4)
+    for i in range(2):  # the second try of a refused task would get a hold
+        review = await hook.review(request(mib, uid=f"u{i}", labels=airflow("t"), annotations=annotations))
+        status = review["response"]["status"]
+        assert (status["code"], status["reason"]) == (409, "AlreadyExists"), the_way_out
+    assert ledger.objects == []
+
+
+async def test_the_name_look_up_runs_while_the_commit_waits_and_the_create_waits_for_it() -> None:
+    """Issue #45: the look-up is not in series with the commit's wait for its GPU's earlier group, and
+    the booking is created only once the name is known to be free."""
+    order: list[str] = []
+    looked_up = asyncio.Event()
+
+    class Slow(MemoryLedger):
+        async def pod_exists(self, namespace: str, name: str) -> bool:
+            order.append("look-up started")
+            await asyncio.sleep(0.05)
+            order.append("look-up answered")
+            looked_up.set()
+            return False
+
+        async def commit(
+            self,
+            *,
+            reservation: GpuReservation,
+            token: str,
+            live: bool = False,
+            before_create: Callable[[], Awaitable[None]] | None = None,
+        ) -> GpuReservation:
+            order.append("commit queued")
+            if before_create is not None:
+                await before_create()
+            assert looked_up.is_set()
+            order.append("created")
+            return await super().commit(reservation=reservation, token=token, live=live)
+
+    ledger = Slow()
+    review = await admitter(ledger).review(request())
+    assert review["response"]["allowed"]
+    # Both in flight together (which starts first is the event loop's turn); the create after both.
+    assert order.index("commit queued") < order.index("look-up answered") < order.index("created")
+    assert order[-1] == "created"
+    assert len(ledger.objects) == 1
 
 
 @pytest.mark.parametrize(
