@@ -93,10 +93,8 @@ class FakeKube:
         label_selector: str | None = None,
         field_selector: str | None = None,
         timeout_s: int = 300,
-        metadata_only: bool = False,
     ) -> AsyncIterator[Obj]:
         """Every change after `resource_version` under `path`, then new ones as they come."""
-        shown = _metadata_of if metadata_only else copy.deepcopy
         self._check("watch", path)
         since = int(resource_version)
         prefix = path.rstrip("/") + "/"
@@ -113,10 +111,10 @@ class FakeKube:
                     continue
                 if kind != "DELETED" and _selected(obj, label_selector) and _named(obj, field_selector):
                     matching.add(at)
-                    yield {"type": kind, "object": shown(obj)}
+                    yield {"type": kind, "object": copy.deepcopy(obj)}
                 elif at in matching:
                     matching.discard(at)
-                    yield {"type": "DELETED", "object": shown(obj)}
+                    yield {"type": "DELETED", "object": copy.deepcopy(obj)}
             await self._changed.wait()
 
     def _check(self, op: str, path: str) -> None:
@@ -139,12 +137,9 @@ class FakeKube:
         if version is not None and version != current["metadata"]["resourceVersion"]:
             raise ApiError(status=409, reason="Conflict", message="the object has been modified")
 
-    async def get(
-        self, path: str, *, resource_version: str | None = None, metadata_only: bool = False
-    ) -> Obj:
+    async def get(self, path: str, *, resource_version: str | None = None) -> Obj:
         self._check("get", path)
-        found = self._found(path)
-        return _metadata_of(found) if metadata_only else copy.deepcopy(found)
+        return copy.deepcopy(self._found(path))
 
     async def list(
         self,
@@ -156,13 +151,12 @@ class FakeKube:
         not_older_than: bool = False,
         limit: int | None = None,
         continue_token: str | None = None,
-        metadata_only: bool = False,
     ) -> Obj:
         self._check("list", path)
         await asyncio.sleep(0)  # a real LIST takes a while: let other requests arrive meanwhile
         prefix = path.rstrip("/") + "/"
         items = [
-            _metadata_of(o) if metadata_only else copy.deepcopy(o)
+            copy.deepcopy(o)
             for p, o in sorted(self.objects.items())
             if (p.startswith(prefix) or _in_all_namespaces(p, path))
             and _selected(o, label_selector)
@@ -174,9 +168,7 @@ class FakeKube:
         if end < len(items):
             meta["continue"] = str(end)
         self.pages += 1
-        page = items[start:end]
-        # The API server's PartialObjectMetadataList says null, not [], for no items.
-        return {"metadata": meta, "items": page if page or not metadata_only else None}
+        return {"metadata": meta, "items": items[start:end]}
 
     async def create(self, path: str, obj: Obj, *, dry_run: bool = False) -> Obj:
         self._check("create", path)
@@ -311,12 +303,3 @@ async def add_idle_gpu(kube: FakeKube, gpu: Gpu) -> None:
         state="Ready",
     )
     await kube.create(devices_path(), {**device.to_wire(), "status": status.to_wire()})
-
-
-def _metadata_of(obj: Obj) -> Obj:
-    """What the API server answers for `as=PartialObjectMetadata`: the metadata alone."""
-    return {
-        "apiVersion": "meta.k8s.io/v1",
-        "kind": "PartialObjectMetadata",
-        "metadata": copy.deepcopy(obj["metadata"]),
-    }

@@ -88,7 +88,6 @@ async def serve(settings: WebhookSettings) -> None:
             "/api/v1/namespaces",
             decode=lambda o: dict(o["metadata"].get("labels") or {}),
             name="namespaces",
-            metadata_only=True,  # their labels are all it keeps
         )
 
         async def announce_sync() -> None:
@@ -116,15 +115,13 @@ async def serve(settings: WebhookSettings) -> None:
             prefix = f"{namespace}/"
             return [q for k, q in quotas.items.items() if q and k.startswith(prefix)]
 
-        # GPU pods (those carrying vramshare's label): a booking whose pod appeared is not pending. Their
-        # metadata alone: a pod's label is all it keeps.
+        # GPU pods (those carrying vramshare's label): a booking whose pod appeared is not pending.
         gpu_pods: WatchCache[tuple[str, str]] = WatchCache(
             kube,
             "/api/v1/pods",
             decode=lambda o: (o["metadata"]["namespace"], o["metadata"]["labels"][LABEL_RESERVATION]),
             label_selector=LABEL_RESERVATION,
             name="pods",
-            metadata_only=True,
         )
 
         # Nodes: a GPU on a node the pod could never be scheduled onto is passed over.

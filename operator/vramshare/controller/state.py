@@ -43,7 +43,6 @@ class ClusterState:
             "/api/v1/namespaces",
             decode=lambda o: dict(o["metadata"].get("labels") or {}),
             name="namespaces",
-            metadata_only=True,  # their labels are all it keeps
         )
         """Namespace labels: each namespace's weight in the queue's fair share."""
         self.holders: WatchCache[Holder] = WatchCache(

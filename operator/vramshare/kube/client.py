@@ -27,11 +27,6 @@ Obj = dict[str, Any]
 SERVICE_ACCOUNT_TOKEN = Path("/var/run/secrets/kubernetes.io/serviceaccount/token")
 _TOKEN_REREAD_S = 60.0  # projected service-account tokens rotate; re-read the file this often
 
-METADATA_ONLY = "application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1"
-METADATA_LIST_ONLY = "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1"
-"""What client-go's metadata client asks for (a GET or a watch's events, and a LIST): the objects'
-metadata alone, for readers that need nothing else (a name's existence, a label)."""
-
 
 class ApiError(Exception):
     """A non-2xx answer from the API server."""
@@ -124,10 +119,8 @@ class KubeClient:
             await self._session.close()
             self._session = None
 
-    def _headers(
-        self, content_type: str | None = None, *, accept: str = "application/json"
-    ) -> dict[str, str]:
-        headers = {"Accept": accept, "User-Agent": self._user_agent}
+    def _headers(self, content_type: str | None = None) -> dict[str, str]:
+        headers = {"Accept": "application/json", "User-Agent": self._user_agent}
         if content_type:
             headers["Content-Type"] = content_type
         file = self.connection.token_file
@@ -146,7 +139,6 @@ class KubeClient:
         body: Any = None,
         params: Mapping[str, str] | None = None,
         content_type: str = "application/json",
-        accept: str = "application/json",
     ) -> Obj:
         if self._session is None:
             raise RuntimeError("KubeClient used outside 'async with'")
@@ -156,7 +148,7 @@ class KubeClient:
         data = None if body is None else json.dumps(body, separators=(",", ":"))
         sent = time.time()
         async with self._session.request(
-            method, url, data=data, headers=self._headers(content_type if data else None, accept=accept)
+            method, url, data=data, headers=self._headers(content_type if data else None)
         ) as resp:
             self.server_clock.observe(resp.headers.get("Date"), sent=sent, received=time.time())
             text = await resp.text()
@@ -173,16 +165,11 @@ class KubeClient:
                 )
             return payload
 
-    async def get(
-        self, path: str, *, resource_version: str | None = None, metadata_only: bool = False
-    ) -> Obj:
+    async def get(self, path: str, *, resource_version: str | None = None) -> Obj:
         """GET. `resource_version="0"` is served from the API server's watch cache, as it is: no read
-        of etcd, and possibly a moment behind it. `metadata_only`: the object's metadata alone (a
-        PartialObjectMetadata), which the API server and we encode and decode in a fraction of the
-        time of a whole pod."""
+        of etcd, and possibly a moment behind it."""
         params = {"resourceVersion": resource_version} if resource_version is not None else None
-        accept = METADATA_ONLY if metadata_only else "application/json"
-        return await self.request("GET", path, params=params, accept=accept)
+        return await self.request("GET", path, params=params)
 
     async def list(
         self,
@@ -194,12 +181,10 @@ class KubeClient:
         not_older_than: bool = False,
         limit: int | None = None,
         continue_token: str | None = None,
-        metadata_only: bool = False,
     ) -> Obj:
         """LIST. `resource_version="0"` reads the API server's cache as it is (no wait for freshness);
         with `not_older_than`, a cache at least as new as `resource_version`. `limit` and
-        `continue_token` page through a large collection. `metadata_only`: each item's metadata
-        alone."""
+        `continue_token` page through a large collection."""
         params = {}
         if label_selector:
             params["labelSelector"] = label_selector
@@ -213,8 +198,7 @@ class KubeClient:
             params["resourceVersion"] = resource_version
             if not_older_than:
                 params["resourceVersionMatch"] = "NotOlderThan"
-        accept = METADATA_LIST_ONLY if metadata_only else "application/json"
-        return await self.request("GET", path, params=params or None, accept=accept)
+        return await self.request("GET", path, params=params or None)
 
     async def watch(
         self,
@@ -224,11 +208,9 @@ class KubeClient:
         label_selector: str | None = None,
         field_selector: str | None = None,
         timeout_s: int = 300,
-        metadata_only: bool = False,
     ) -> AsyncIterator[Obj]:
         """WATCH from `resource_version`, with bookmarks: yields each event ({"type", "object"}) until
-        the server ends the stream (after about `timeout_s`). A 410 Gone arrives as an ERROR event.
-        `metadata_only`: each event's object is the metadata alone."""
+        the server ends the stream (after about `timeout_s`). A 410 Gone arrives as an ERROR event."""
         if self._session is None:
             raise RuntimeError("KubeClient used outside 'async with'")
         params = {
@@ -244,8 +226,7 @@ class KubeClient:
         url = f"{self.connection.host}{path}?{urlencode(params)}"
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=timeout_s + 30)
         try:
-            headers = self._headers(accept=METADATA_ONLY if metadata_only else "application/json")
-            async with self._session.get(url, headers=headers, timeout=timeout) as resp:
+            async with self._session.get(url, headers=self._headers(), timeout=timeout) as resp:
                 if resp.status >= 400:
                     text = await resp.text()
                     raise ApiError(status=resp.status, reason=resp.reason or "", message=text[:2000])

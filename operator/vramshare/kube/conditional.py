@@ -10,13 +10,10 @@ from vramshare.kube.objects import GpuReservation
 from vramshare.kube.resources import reservations_path
 
 
-async def get_or_none(
-    kube: KubeClient, path: str, *, resource_version: str | None = None, metadata_only: bool = False
-) -> Obj | None:
-    """The object at `path` (its metadata alone with `metadata_only`), or None when it does not exist
-    (404)."""
+async def get_or_none(kube: KubeClient, path: str, *, resource_version: str | None = None) -> Obj | None:
+    """The object at `path`, or None when it does not exist (404)."""
     try:
-        return await kube.get(path, resource_version=resource_version, metadata_only=metadata_only)
+        return await kube.get(path, resource_version=resource_version)
     except ApiError as exc:
         if exc.not_found:
             return None

@@ -61,12 +61,8 @@ class WatchCache(Generic[T]):
         field_selector: str | None = None,
         name: str = "",
         watch_timeout_s: int = 300,
-        metadata_only: bool = False,
     ) -> None:
         self.kube = kube
-        self.metadata_only = metadata_only
-        """List and watch the objects' metadata alone (`KubeClient.get`): for a cache that decodes
-        nothing else, the API server and this process handle a fraction of each object."""
         self.path = path
         self.decode = decode
         self.label_selector = label_selector
@@ -141,9 +137,8 @@ class WatchCache(Generic[T]):
                 field_selector=self.field_selector,
                 limit=PAGE,
                 continue_token=token,
-                metadata_only=self.metadata_only,
             )
-            for obj in page.get("items") or []:  # null in an empty PartialObjectMetadataList
+            for obj in page.get("items", []):
                 items[key_of(obj)] = self.decode(obj)
                 versions[key_of(obj)] = version(obj)
             meta = page.get("metadata") or {}
@@ -180,7 +175,6 @@ class WatchCache(Generic[T]):
             label_selector=self.label_selector,
             field_selector=self.field_selector,
             timeout_s=self.watch_timeout_s,
-            metadata_only=self.metadata_only,
         ):
             kind, obj = event.get("type"), event.get("object") or {}
             if kind == "ERROR":

@@ -41,15 +41,11 @@ class LedgerLookups(LedgerView):
         )
 
     async def pod_exists(self, namespace: str, name: str) -> bool:
-        """Whether a pod of that name exists (a GET, cheap beside a pod cache; of its metadata alone,
-        issue #45). Served from the API server's watch cache, not etcd (issue #31: one read of etcd
-        less per admission): it may miss
+        """Whether a pod of that name exists (a GET, cheap beside a pod cache). Served from the API
+        server's watch cache, not etcd (issue #31: one read of etcd less per admission): it may miss
         a pod created in the last moment, whose duplicate then gets a booking that ends at the TTL,
         as before this check; a loop of such creates is caught from its second try on."""
-        found = await get_or_none(
-            self.kube, pod_path(namespace, name), resource_version="0", metadata_only=True
-        )
-        return found is not None
+        return await get_or_none(self.kube, pod_path(namespace, name), resource_version="0") is not None
 
     async def active_holds(self) -> list[GpuReservation]:
         """Every hold in the fleet not ended, on a consistent read."""
