@@ -329,36 +329,6 @@ async def test_commits_decided_together_share_one_bump(running: tuple[FakeKube, 
     )
 
 
-async def test_a_check_before_the_create_that_fails_creates_nothing_and_the_group_goes_on(
-    running: tuple[FakeKube, KubeLedger],
-) -> None:
-    """`before_create` (the webhook's look-up of the pod's name): what it raises fails that commit,
-    with nothing created and the booking out of the view; the rest of its group commits."""
-    kube, ledger = running
-    token = (await ledger.snapshot()).tokens[GPU.uuid]
-
-    async def taken() -> None:
-        await asyncio.sleep(0.01)
-        raise LookupError("that pod's name is taken")
-
-    async def free() -> None:
-        await asyncio.sleep(0.01)
-
-    kept = asyncio.create_task(
-        ledger.commit(reservation=booking("kept"), token=token, live=True, before_create=free)
-    )
-    refused = asyncio.create_task(
-        ledger.commit(reservation=booking("squatted"), token=token, live=True, before_create=taken)
-    )
-    await kept
-    with pytest.raises(LookupError):
-        await refused
-    assert [p.rsplit("/", 1)[1] for p in reservations(kube)] == ["kept"]
-    creates = [path for op, path in kube.calls if op == "create" and path == reservations_path("jobs")]
-    assert len(creates) == 1  # the squatted one was never sent
-    assert names(await ledger.snapshot()) == {"kept"}
-
-
 async def test_a_caller_that_gives_up_leaves_no_booking(running: tuple[FakeKube, KubeLedger]) -> None:
     kube, ledger = running
     token = (await ledger.snapshot()).tokens[GPU.uuid]

@@ -7,7 +7,7 @@ import asyncio
 import base64
 import copy
 import json
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -76,16 +76,7 @@ class MemoryLedger:
     async def active_holds(self) -> list[GpuReservation]:
         return [o for o in self.objects if o.held_for and o.phase.is_active]
 
-    async def commit(
-        self,
-        *,
-        reservation: GpuReservation,
-        token: str,
-        live: bool = False,
-        before_create: Callable[[], Awaitable[None]] | None = None,
-    ) -> GpuReservation:
-        if before_create is not None:
-            await before_create()
+    async def commit(self, *, reservation: GpuReservation, token: str, live: bool = False) -> GpuReservation:
         if self.hang_commit:
             await asyncio.sleep(3600)
         if self.conflicts:

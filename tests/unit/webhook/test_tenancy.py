@@ -5,7 +5,6 @@ tenant's (retrying tasks only, per namespace, exact under concurrent refusals)."
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from decimal import Decimal
 from typing import Any
@@ -303,19 +302,12 @@ async def test_no_hold_that_would_take_the_namespace_over_its_quota() -> None:
 async def test_concurrent_refusals_never_leave_more_holds_than_allowed() -> None:
     class Interleaving(MemoryLedger):
         async def commit(
-            self,
-            *,
-            reservation: GpuReservation,
-            token: str,
-            live: bool = False,
-            before_create: Callable[[], Awaitable[None]] | None = None,
+            self, *, reservation: GpuReservation, token: str, live: bool = False
         ) -> GpuReservation:
             # Every refusal decides on a view without the others' holds (replicas racing), and every
             # hold is made before any refusal counts again.
             await asyncio.sleep(0.01)
-            created = await super().commit(
-                reservation=reservation, token=token, live=live, before_create=before_create
-            )
+            created = await super().commit(reservation=reservation, token=token, live=live)
             await asyncio.sleep(0.01)
             return created
 

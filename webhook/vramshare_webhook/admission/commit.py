@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 
 from vramshare.domain import Gpu
 from vramshare.domain.snapshot import CommitConflictError, Snapshot
@@ -32,25 +32,15 @@ def bookings_for(intent: Intent, *, name: str, gpus: Sequence[Gpu]) -> list[GpuR
     ]
 
 
-async def commit_all(
-    bookings: list[GpuReservation],
-    snapshot: Snapshot,
-    *,
-    ledger: Ledger,
-    before_create: Callable[[], Awaitable[None]] | None = None,
-) -> str | None:
+async def commit_all(bookings: list[GpuReservation], snapshot: Snapshot, *, ledger: Ledger) -> str | None:
     """Commit every booking of one pod, each on its own GPU's token, all or nothing: when one loses
     its race the others are withdrawn and the UUID of the GPU that conflicted is returned. Until
-    they are withdrawn they only make other decisions more careful, never less. `before_create` is
-    awaited before each create (see `CommitProtocol.commit`); what it raises is raised here."""
+    they are withdrawn they only make other decisions more careful, never less."""
     if len(bookings) == 1:
         booking = bookings[0]
         try:
             await ledger.commit(
-                reservation=booking,
-                token=snapshot.tokens[booking.spec.gpu_uuid],
-                live=snapshot.live,
-                before_create=before_create,
+                reservation=booking, token=snapshot.tokens[booking.spec.gpu_uuid], live=snapshot.live
             )
         except CommitConflictError:
             return booking.spec.gpu_uuid
@@ -63,12 +53,7 @@ async def commit_all(
     try:
         results = await asyncio.gather(
             *(
-                ledger.commit(
-                    reservation=b,
-                    token=snapshot.tokens[b.spec.gpu_uuid],
-                    live=snapshot.live,
-                    before_create=before_create,
-                )
+                ledger.commit(reservation=b, token=snapshot.tokens[b.spec.gpu_uuid], live=snapshot.live)
                 for b in bookings
             ),
             return_exceptions=True,

@@ -3,7 +3,7 @@ show it, the settings, the metrics and the clock, gathered once per process in a
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -23,12 +23,7 @@ class Ledger(Protocol):
     async def claim_reinvocation(self, reservation: GpuReservation, *, claimant: str) -> bool: ...
     async def pod_carries(self, namespace: str, reservation: str) -> bool: ...
     async def commit(
-        self,
-        *,
-        reservation: GpuReservation,
-        token: str,
-        live: bool = False,
-        before_create: Callable[[], Awaitable[None]] | None = None,
+        self, *, reservation: GpuReservation, token: str, live: bool = False
     ) -> GpuReservation: ...
     async def enqueue(self, reservation: GpuReservation) -> GpuReservation: ...
     async def withdraw(self, created: GpuReservation) -> None: ...

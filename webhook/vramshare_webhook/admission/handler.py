@@ -3,7 +3,7 @@
 `Admitter.decide()` is the admission path, step by step, each step a module of this package and each
 result a value:
 
-    request -> triage -> intent -> earlier pass? -> place, name taken? -> outcome (one patch)
+    request -> triage -> intent -> earlier pass? -> name taken? -> place -> outcome (one patch)
 
 and, for debug containers (`pods/ephemeralcontainers`), request -> triage -> debug.
 
@@ -26,7 +26,7 @@ from vramshare_webhook.admission.context import ClusterView, Context, Ledger
 from vramshare_webhook.admission.debug import debug_containers
 from vramshare_webhook.admission.earlier import earlier_pass
 from vramshare_webhook.admission.intent import Intent, refusal_style, resolve_intent
-from vramshare_webhook.admission.naming import NameCheck
+from vramshare_webhook.admission.naming import name_taken
 from vramshare_webhook.admission.outcome import readmitted, with_delivery
 from vramshare_webhook.admission.place import place
 from vramshare_webhook.admission.queueing import queued
@@ -122,12 +122,10 @@ class Admitter:
             return await readmitted(intent, earlier.placement, ctx=ctx)
         if earlier.entry is not None:
             return queued(intent, entry=earlier.entry)
-        # The name's look-up runs while the pod is placed; nothing is written before it answers.
-        name = NameCheck(intent, ctx=ctx)
-        try:
-            return await place(intent, ctx=ctx, name=name)
-        finally:
-            await name.close()
+        taken = await name_taken(intent, ctx=ctx)
+        if taken is not None:
+            return taken
+        return await place(intent, ctx=ctx)
 
     def _late(self, request: rv.Request) -> Late:
         """The answer for a decision that missed its deadline (nothing it booked stays booked)."""

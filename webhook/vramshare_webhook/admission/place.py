@@ -19,7 +19,7 @@ from vramshare_webhook.admission.commit import bookings_for, commit_all
 from vramshare_webhook.admission.context import Context
 from vramshare_webhook.admission.intent import Intent
 from vramshare_webhook.admission.limits import within_limits
-from vramshare_webhook.admission.naming import NameCheck, NameTakenError, reservation_name
+from vramshare_webhook.admission.naming import reservation_name
 from vramshare_webhook.admission.queueing import enqueue
 from vramshare_webhook.admission.refusal import refuse
 from vramshare_webhook.decision import Admit, Contention, Decision, Invalid, Reason
@@ -34,16 +34,8 @@ class _Conflicted:
     gpu_uuid: str
 
 
-async def place(intent: Intent, *, ctx: Context, name: NameCheck) -> Decision:
-    """Admit the pod on a GPU, queue it, or refuse it; retry commits that lost a race. A taken `name`
-    is the answer before any other, and nothing is written for it."""
-    decision = await _placed(intent, ctx=ctx, name=name)
-    if isinstance(decision, Admit) and decision.reason is Reason.FITS:
-        return decision  # committed: its name was checked before the create
-    return await name.taken() or decision
-
-
-async def _placed(intent: Intent, *, ctx: Context, name: NameCheck) -> Decision:
+async def place(intent: Intent, *, ctx: Context) -> Decision:
+    """Admit the pod on a GPU, queue it, or refuse it; retry commits that lost a race."""
     # Stop retrying conflicts a little before the answer's own deadline, to say why.
     allowed_s = ctx.settings.decision_deadline_s
     deadline = time.monotonic() + max(allowed_s / 2, allowed_s - 1.0)
@@ -55,7 +47,7 @@ async def _placed(intent: Intent, *, ctx: Context, name: NameCheck) -> Decision:
         tried = intent.noting(attempts=attempt)
         # No lock: a decision joins this process's view before its commit's first await, so the next
         # one counts it; replicas race, and the commit's precondition settles that.
-        decision = await _attempt(tried, alloc=alloc, avoid=avoid, ctx=ctx, name=name)
+        decision = await _attempt(tried, alloc=alloc, avoid=avoid, ctx=ctx)
         if not isinstance(decision, _Conflicted):
             return decision
         # Another replica is committing on that GPU: among near ties, try another one next.
@@ -76,7 +68,7 @@ async def _placed(intent: Intent, *, ctx: Context, name: NameCheck) -> Decision:
 
 
 async def _attempt(
-    intent: Intent, *, alloc: AllocationRequest, avoid: frozenset[str], ctx: Context, name: NameCheck
+    intent: Intent, *, alloc: AllocationRequest, avoid: frozenset[str], ctx: Context
 ) -> Decision | _Conflicted:
     """Decide on a view and commit; `_Conflicted` when the chosen GPU's ledger moved meanwhile."""
     request, facts, details = intent.request, intent.facts, intent.details
@@ -91,7 +83,7 @@ async def _attempt(
         return view
     snapshot = view
     if intent.defer and _could_ever_take(alloc, snapshot, ctx=ctx):
-        return await name.taken() or await enqueue(intent, ctx=ctx)
+        return await enqueue(intent, ctx=ctx)
 
     def chosen(view: Snapshot) -> Choice | Refusal:
         # Memory held for this task's next try (an earlier refusal of it) counts as its own.
@@ -116,13 +108,12 @@ async def _attempt(
     if not isinstance(choice, Choice):
         if intent.queue and _could_ever_take(alloc, snapshot, ctx=ctx):
             # It can wait for one of these; a request none could ever take is refused.
-            return await name.taken() or await enqueue(intent, ctx=ctx)
-        # A refusal may make a hold (a write): not for a pod that cannot be created.
-        return await name.taken() or await refuse(intent, choice, snapshot=snapshot, ctx=ctx, details=details)
+            return await enqueue(intent, ctx=ctx)
+        return await refuse(intent, choice, snapshot=snapshot, ctx=ctx, details=details)
     gpus = list(choice.gpus)
-    booking = reservation_name(request.object)
+    name = reservation_name(request.object)
     placement = Placement(
-        reservation=booking,
+        reservation=name,
         gpu_uuid=choice.gpu.uuid,
         gpu_index=choice.gpu.index,
         node=choice.gpu.node,
@@ -139,14 +130,7 @@ async def _attempt(
     committing = time.perf_counter()
     ctx.metrics.choose_seconds.observe(committing - choosing)
     try:
-        conflicted = await commit_all(
-            bookings_for(intent, name=booking, gpus=gpus),
-            snapshot,
-            ledger=ctx.ledger,
-            before_create=name.must_be_free,
-        )
-    except NameTakenError as taken:
-        return taken.decision
+        conflicted = await commit_all(bookings_for(intent, name=name, gpus=gpus), snapshot, ledger=ctx.ledger)
     finally:
         ctx.metrics.commit_seconds.observe(time.perf_counter() - committing)
     if conflicted is not None:

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,8 +99,6 @@ class _Pending:
     """It writes the placement of an existing queue entry instead of creating a reservation."""
     abandoned: bool = False
     """Its caller gave up (deadline) while its group was on its way: withdraw it once made."""
-    before_create: Callable[[], Awaitable[None]] | None = None
-    """Awaited right before the create; what it raises fails this commit, with nothing created."""
 
 
 class CommitProtocol(LedgerView):
@@ -135,13 +133,7 @@ class CommitProtocol(LedgerView):
         self._background: set[asyncio.Task[None]] = set()
 
     async def commit(
-        self,
-        *,
-        reservation: GpuReservation,
-        token: str,
-        live: bool = False,
-        places: bool = False,
-        before_create: Callable[[], Awaitable[None]] | None = None,
+        self, *, reservation: GpuReservation, token: str, live: bool = False, places: bool = False
     ) -> GpuReservation:
         """Create `reservation` and bump its GPU's token; `CommitConflictError` when it moved.
 
@@ -155,11 +147,7 @@ class CommitProtocol(LedgerView):
         commits alone on its own token, or conflicts and decides again.
 
         If the caller is cancelled (the answer's deadline passed) its reservation does not stand: it is
-        not created if still queued, and withdrawn if its group was already on its way.
-
-        `before_create` is a check that may still be running (the webhook's look-up of the pod's name,
-        issue #45): awaited just before the create, so it runs while the commit waits for its GPU's
-        earlier group; what it raises fails this commit and creates nothing."""
+        not created if still queued, and withdrawn if its group was already on its way."""
         gpu_uuid = reservation.spec.gpu_uuid
         key = _reservation_key(reservation.namespace, reservation.name)
         self.reservations.put(key, reservation.to_domain())  # reserved_at 0.0: decided, not created
@@ -170,7 +158,6 @@ class CommitProtocol(LedgerView):
             live=live,
             done=asyncio.get_running_loop().create_future(),
             places=places,
-            before_create=before_create,
         )
         queue = self._queues.setdefault(gpu_uuid, [])
         queue.append(entry)
@@ -245,8 +232,6 @@ class CommitProtocol(LedgerView):
             queue.clear()
 
     async def _create(self, entry: _Pending) -> GpuReservation:
-        if entry.before_create is not None:
-            await entry.before_create()
         res = entry.reservation
         if entry.places:
             self.on_write("gpureservations", "patch")
