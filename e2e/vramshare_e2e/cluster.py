@@ -14,7 +14,6 @@ or from the command line (`make cluster`): `python -m vramshare_e2e.cli`.
 
 from __future__ import annotations
 
-import json
 import shutil
 import ssl
 import sys
@@ -439,14 +438,8 @@ class LocalCluster:
         server's namespace cache, which webhook namespaceSelectors are matched against, a moment later,
         and a pod created in that moment is not sent to the webhook at all (a CI run once saw a pod
         admitted without a booking that way)."""
-        metadata: dict[str, Any] = {"name": name}
-        if labels:
-            metadata["labels"] = labels
-        self.kubectl(
-            "create",
-            "-f",
-            "-",
-            stdin=json.dumps({"apiVersion": "v1", "kind": "Namespace", "metadata": metadata}),
+        self.apply_objects(
+            [{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name, "labels": labels or {}}}]
         )
         return name
 

@@ -47,9 +47,6 @@ GPU_UUID = re.compile(r"^(GPU|MIG)-[A-Za-z0-9-]{1,124}$", re.ASCII)
 CUDA_DEVICES = "CUDA_VISIBLE_DEVICES"
 
 
-_NAME_CHARS = re.compile(r"[a-z0-9.-]+")
-
-
 def shape_problem(pod: Obj) -> str | None:
     """Why `pod` is not shaped like a Pod, for the fields vramshare reads; None when it is.
 
@@ -64,10 +61,12 @@ def shape_problem(pod: Obj) -> str | None:
     for key in ("name", "generateName"):
         if key in meta and not isinstance(meta[key], str):
             return f"metadata.{key} must be a string"
-        # A pod name is a lower-case RFC 1123 subdomain (generateName its prefix): anything else the API
-        # server refuses after admission, and vramshare names its booking after it.
+        # A pod name is a lower-case RFC 1123 subdomain: anything else the API server refuses after
+        # admission, and vramshare names its booking after it. generateName is a prefix, checked as the
+        # API server does (a trailing '-' stands for the generated suffix).
         value = meta.get(key) or ""
-        if value and (len(value) > 253 or not _NAME_CHARS.fullmatch(value) or not value[0].isalnum()):
+        named = value[:-1] + "a" if key == "generateName" and value.endswith("-") else value
+        if value and not is_object_name(named):
             return (
                 f"metadata.{key} {value[:64]!r} is not a pod name: lower-case letters, digits, '-' and "
                 "'.', starting with a letter or digit, at most 253 characters"

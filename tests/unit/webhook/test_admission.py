@@ -218,7 +218,12 @@ async def test_a_taken_name_is_answered_as_taken_on_every_way_out_and_books_noth
 
 @pytest.mark.parametrize(
     ("meta", "field"),
-    [({"name": ":"}, "metadata.name"), ({"name": "", "generateName": "Task-"}, "metadata.generateName")],
+    [
+        ({"name": ":"}, "metadata.name"),
+        ({"name": "task-"}, "metadata.name"),
+        ({"name": "task..b"}, "metadata.name"),
+        ({"name": "", "generateName": "Task-"}, "metadata.generateName"),
+    ],
 )
 async def test_a_pod_name_the_api_server_would_refuse_is_a_400_and_books_nothing(
     meta: dict[str, str], field: str
@@ -233,6 +238,7 @@ async def test_a_pod_name_the_api_server_would_refuse_is_a_400_and_books_nothing
     assert "is not a pod name" in status["message"]
     assert ledger.objects == []
     assert (await admitter(ledger).review(request(name="task-1.b")))["response"]["allowed"]
+    assert (await admitter(ledger).review(request(name="", generateName="task-")))["response"]["allowed"]
 
 
 @pytest.mark.parametrize(("mib", "problem"), [("abc", "it is not a number"), ("0", "it is zero")])
