@@ -65,11 +65,12 @@ def shape_problem(pod: Obj) -> str | None:
         # admission, and vramshare names its booking after it. generateName is a prefix, checked as the
         # API server does (a trailing '-' stands for the generated suffix).
         value = meta.get(key) or ""
-        named = value[:-1] + "a" if key == "generateName" and value.endswith("-") else value
+        prefix = key == "generateName" and len(value) > 1 and value.endswith("-")
+        named = value[:-1] + "a" if prefix else value
         if value and not is_object_name(named):
             return (
                 f"metadata.{key} {value[:64]!r} is not a pod name: lower-case letters, digits, '-' and "
-                "'.', starting with a letter or digit, at most 253 characters"
+                "'.', starting and ending with a letter or digit, at most 253 characters"
             )
     for key in ("annotations", "labels"):
         value = meta.get(key)
