@@ -29,6 +29,7 @@ import socket
 import ssl
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -366,10 +367,13 @@ def start_mutating_webhook(cluster: LocalCluster, *, mode: str) -> int:
     return port
 
 
-def start_one_write_webhooks(cluster: LocalCluster, *, replicas: int = 2) -> None:
+def start_one_write_webhooks(
+    cluster: LocalCluster, *, replicas: int = 2, kubeconfig: Path | None = None
+) -> None:
     """Install the FloorBooking kind and start `replicas` `one-write` webhooks, registered for the
     namespaces labelled `e2e.vramshare.io/one-write=<replica index>` (each replica its own, as the
-    benchmark's two vramshare replicas each have theirs)."""
+    benchmark's two vramshare replicas each have theirs); they book as `kubeconfig` (the admin's
+    unless given)."""
     reservation_crd = next(
         d for d in yaml.safe_load_all((CRDS_DIR / "vramshare.io_gpureservations.yaml").read_text()) if d
     )
@@ -396,7 +400,7 @@ def start_one_write_webhooks(cluster: LocalCluster, *, replicas: int = 2) -> Non
                 f"--port={port}",
                 f"--cert={pair.cert_path}",
                 f"--key={pair.key_path}",
-                f"--kubeconfig={cluster.kubeconfig}",
+                f"--kubeconfig={kubeconfig or cluster.kubeconfig}",
             ],
             ready=lambda port=port: http_ok(f"https://127.0.0.1:{port}/healthz", context=ctx),  # type: ignore[misc]
         )

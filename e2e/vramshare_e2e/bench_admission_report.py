@@ -77,10 +77,12 @@ def summary(report: dict[str, Any]) -> str:
         )
         for case, cost in r.get("cost_per_pod", {}).items():
             cpu = cost["cpu_ms"]
+            unsettled = cost.get("pods_not_running")
             lines.append(
                 f"      per pod, {case}: {cost['api_requests_total']:.2f} API requests "
                 f"({', '.join(f'{k} {v:g}' for k, v in cost['api_requests'].items())}); CPU ms "
                 + ", ".join(f"{k} {v:.1f}" for k, v in cpu.items())
+                + (f"; {unsettled} pods not running when counted" if unsettled else "")
             )
     for scale in report["scale"]:
         d = scale["webhook_decision"]
