@@ -135,8 +135,10 @@ class ControllerMetrics:
         )
         self.device_status_writes = Counter(
             "vramshare_gpudevice_status_writes",
-            "GpuDevice status writes, by why: changed (figures, state or conditions) or refresh (only "
-            "the sample time, of a GPU the inventory heartbeat does not confirm, about every "
+            "GpuDevice status writes, by why: changed (the sample's figures, state or conditions), "
+            "bookings (only reservedMiB and headroomMiB; held back while webhooks commit on the GPU, "
+            "at most 10 s, since every write moves its ledger token under their commits) or refresh "
+            "(only the sample time, of a GPU the inventory heartbeat does not confirm, about every "
             "max_sample_age_s / 4, within a budget per poll).",
             ["why"],
             registry=self.registry,

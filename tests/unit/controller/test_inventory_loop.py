@@ -11,14 +11,20 @@ from typing import Any
 from tests.unit.domain.builders import NOW
 from tests.unit.fake_kube import FakeKube, fed_state
 from vramshare.controller.devices import InventoryLoop, refresh_after, refresh_budget
+from vramshare.controller.devices.write_policy import (
+    BOOKING_FIGURES_LAG_S,
+    Write,
+    defer_booking_figures,
+    why_write,
+)
 from vramshare.controller.metrics import ControllerMetrics
 from vramshare.controller.settings import ControllerSettings
 from vramshare.dcgm_series import DcgmReading
 from vramshare.domain import Accounting, freshness
 from vramshare.domain.freshness import InventoryHeartbeat
 from vramshare.domain.inventory import Sample
-from vramshare.kube.objects import GpuDevice
-from vramshare.kube.resources import devices_path, format_time, reservations_path
+from vramshare.kube.objects import DeviceStatus, GpuDevice
+from vramshare.kube.resources import ANNOTATION_LEDGER, devices_path, format_time, reservations_path
 from vramshare.prometheus import PrometheusUnavailableError
 
 SAMPLE = Sample(
@@ -378,3 +384,94 @@ def test_unchanged_gpus_refresh_their_sample_time_spread_over_a_window() -> None
     assert max(waits) - min(waits) > 7  # spread across the window
     assert len({round(w, 1) for w in waits}) > 50
     assert refresh_after("GPU-7", max_sample_age_s=120) == waits[7]  # the same GPU, the same wait
+
+
+async def test_booking_figures_wait_while_commits_land_on_the_gpu() -> None:
+    """Issue #45: a write of a GPU's booking figures alone (reservedMiB, headroomMiB) moves its ledger
+    token under the commits in flight on it. While webhooks commit on it (its ledger mark moved since
+    the last poll) those figures wait, at most BOOKING_FIGURES_LAG_S; a quiet GPU's go at the next poll,
+    and a new sample's figures are written at once, busy or not."""
+    now = [NOW + 1]
+    source = Source(SAMPLE)
+    async with loop(source, now) as (kube, inventory):
+        await inventory.poll()
+        writes = status_writes(kube)
+        booked = 0
+
+        async def commit(name: str) -> None:
+            """A booking of 1000 MiB on GPU-A and the bump of its ledger mark, as a webhook commits."""
+            nonlocal booked
+            await kube.create(
+                reservations_path("jobs"),
+                {
+                    "metadata": {"name": name, "namespace": "jobs", "creationTimestamp": format_time(NOW)},
+                    "spec": {
+                        "podName": name,
+                        "memoryMiB": 1_000,
+                        "nodeName": "node-a",
+                        "gpuUUID": "GPU-A",
+                        "gpuIndex": 0,
+                    },
+                },
+            )
+            version = kube.version
+            assert await inventory.state.reservations.wait_for(version, timeout_s=2)
+            mark = {ANNOTATION_LEDGER: f"jobs/{name}@{version}"}
+            await kube.merge_patch(devices_path("gpu-a"), {"metadata": {"annotations": mark}})
+            booked += 1_000
+            assert await inventory.state.devices.wait_for(kube.version, timeout_s=2)
+
+        def reserved() -> int:
+            status = GpuDevice.from_wire(kube.objects[devices_path("gpu-a")]).status
+            assert status is not None
+            return status.reserved_mib
+
+        for name in ("task-1", "task-2"):  # commits land between polls: the figures wait
+            await commit(name)
+            now[0] += 2
+            await inventory.poll()
+        assert status_writes(kube) == writes
+        assert reserved() == 0
+        now[0] += 2
+        await inventory.poll()  # no commit since the last poll: written
+        assert status_writes(kube) == writes + 1
+        assert reserved() == booked == 2_000
+        assert inventory.metrics.device_status_writes.labels("bookings")._value.get() == 1
+        # Commits that never stop do not hold the figures back for longer than the lag.
+        polls = int(BOOKING_FIGURES_LAG_S / 2)  # the first waits; the last is the lag after it
+        for i in range(polls + 1):
+            await commit(f"burst-{i}")
+            now[0] += 2
+            await inventory.poll()
+            assert status_writes(kube) == writes + (2 if i == polls else 1)
+        assert reserved() == booked
+        # A new sample is written at once, with the booking figures, though commits go on.
+        await commit("burst-last")
+        source.samples = [replace(SAMPLE, used_mib=1_000, free_mib=15_000)]
+        now[0] += 2
+        await inventory.poll()
+        assert status_writes(kube) == writes + 3
+        assert reserved() == booked
+
+
+def test_only_a_change_of_booking_figures_is_a_bookings_write() -> None:
+    base = DeviceStatus(
+        total_mib=16_384,
+        used_mib=0,
+        free_mib=16_000,
+        driver_reserved_mib=384,
+        reserved_mib=0,
+        headroom_mib=15_488,
+        sampled_at=NOW,
+        last_seen_at=NOW,
+        state="Ready",
+    )
+    booked = replace(base, reserved_mib=1_000, headroom_mib=14_488)
+    assert why_write(booked, base, refresh_s=30) is Write.BOOKINGS
+    assert why_write(replace(booked, used_mib=900, free_mib=15_100), base, refresh_s=30) is Write.CHANGED
+    assert why_write(replace(booked, state="Stale"), base, refresh_s=30) is Write.CHANGED
+    assert why_write(base, base, refresh_s=30) is None
+    assert defer_booking_figures(committing=True, deferred_s=None)
+    assert defer_booking_figures(committing=True, deferred_s=BOOKING_FIGURES_LAG_S - 0.1)
+    assert not defer_booking_figures(committing=True, deferred_s=BOOKING_FIGURES_LAG_S)
+    assert not defer_booking_figures(committing=False, deferred_s=None)

@@ -23,13 +23,31 @@ def refresh_after(uuid: str, *, max_sample_age_s: float) -> float:
     return max_sample_age_s / 4 * (0.75 + 0.25 * spread)
 
 
+BOOKING_FIGURES_LAG_S = 10.0
+"""The longest a GPU's booking figures (`reservedMiB`, `headroomMiB`) wait while commits land on it."""
+
+
 class Write(enum.Enum):
     """Why a GPU's status is written this poll."""
 
     CHANGED = "changed"
-    """Its figures, state or conditions changed (or it has no status yet): always written."""
+    """Its sample's figures, state or conditions changed (or it has no status yet): always written."""
+    BOOKINGS = "bookings"
+    """Only the figures of its bookings changed (`reservedMiB`, `headroomMiB`, the words of a
+    MemoryOverused condition that did not flip): written, except while commits land on the GPU (see
+    `defer_booking_figures`)."""
     REFRESH = "refresh"
     """Only its sample time moved on, past its refresh interval: written within the poll's budget."""
+
+
+def defer_booking_figures(*, committing: bool, deferred_s: float | None) -> bool:
+    """Whether a write of booking figures alone waits for a later poll: while webhooks commit on the
+    GPU (its ledger mark moved since the last poll), for at most `BOOKING_FIGURES_LAG_S` (`deferred_s`:
+    how long it has waited, None if it has not). Every status write moves the GPU's ledger token, and
+    a write in the middle of a burst makes each commit in flight on it pay a 409, a read and a second
+    bump (issue #45: the clusters of slowest pods in the admission benchmark). The webhooks do not read
+    these figures; they count the bookings themselves. A quiet GPU's are written at the next poll."""
+    return committing and (deferred_s is None or deferred_s < BOOKING_FIGURES_LAG_S)
 
 
 def why_write(desired: DeviceStatus, previous: DeviceStatus | None, *, refresh_s: float) -> Write | None:
@@ -43,11 +61,10 @@ def why_write(desired: DeviceStatus, previous: DeviceStatus | None, *, refresh_s
         return Write.CHANGED
     # Equal objects write equal JSON: the common case (nothing changed) needs no serialising.
     if _untimed(desired) != _untimed(previous):
-        times = ("sampledAt", "lastSeenAt")
-        now_wire = {k: v for k, v in desired.to_wire().items() if k not in times}
-        before_wire = {k: v for k, v in previous.to_wire().items() if k not in times}
-        if now_wire != before_wire:
+        if _wire(_without_bookings(desired)) != _wire(_without_bookings(previous)):
             return Write.CHANGED
+        if _wire(desired) != _wire(previous):
+            return Write.BOOKINGS
     seen_lag = (desired.last_seen_at or 0.0) - (previous.last_seen_at or 0.0)
     if desired.sampled_at - previous.sampled_at >= refresh_s or seen_lag >= refresh_s:
         return Write.REFRESH
@@ -56,6 +73,18 @@ def why_write(desired: DeviceStatus, previous: DeviceStatus | None, *, refresh_s
 
 def _untimed(status: DeviceStatus) -> DeviceStatus:
     return replace(status, sampled_at=0.0, last_seen_at=None)
+
+
+def _wire(status: DeviceStatus) -> dict[str, object]:
+    times = ("sampledAt", "lastSeenAt")
+    return {k: v for k, v in status.to_wire().items() if k not in times}
+
+
+def _without_bookings(status: DeviceStatus) -> DeviceStatus:
+    """`status` with the figures of its bookings blanked: what is left is the sample, the state and
+    the conditions' verdicts (a MemoryOverused condition that flips is still a change)."""
+    quiet = tuple(replace(c, message="") if c.type == "MemoryOverused" else c for c in status.conditions)
+    return replace(status, reserved_mib=0, headroom_mib=0, conditions=quiet)
 
 
 def refresh_budget(gpus: int, *, poll_interval_s: float, max_sample_age_s: float) -> int:

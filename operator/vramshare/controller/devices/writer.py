@@ -9,7 +9,13 @@ from collections.abc import Sequence
 import structlog
 
 from vramshare.controller.devices.status import device_status, overused
-from vramshare.controller.devices.write_policy import RefreshBudget, Write, refresh_after, why_write
+from vramshare.controller.devices.write_policy import (
+    RefreshBudget,
+    Write,
+    defer_booking_figures,
+    refresh_after,
+    why_write,
+)
 from vramshare.controller.metrics import ControllerMetrics
 from vramshare.controller.settings import ControllerSettings
 from vramshare.controller.state import ClusterState
@@ -22,7 +28,7 @@ from vramshare.domain.inventory import DeviceStatus as Judged
 from vramshare.kube.client import ApiError, KubeClient
 from vramshare.kube.events import Event, Involved, post_event
 from vramshare.kube.objects import Delivery, DeviceSpec, DeviceStatus, GpuDevice
-from vramshare.kube.resources import API_VERSION, devices_path
+from vramshare.kube.resources import ANNOTATION_LEDGER, API_VERSION, devices_path
 
 log = structlog.get_logger("vramshare.controller")
 
@@ -44,6 +50,10 @@ class DeviceWriter:
         self.metrics = metrics
         self.last_seen: dict[str, float] = {}
         """GPU UUID -> when this leader last saw it (newer than the stored times, which lag)."""
+        self.marks: dict[str, str] = {}
+        """GPU UUID -> its ledger mark at the last poll: one that moved since says webhooks commit on it."""
+        self.figures_waiting: dict[str, float] = {}
+        """GPU UUID -> since when a write of its booking figures alone has waited (`Write.BOOKINGS`)."""
 
     async def forget(self, device: GpuDevice, judged: Judged, *, now: float) -> None:
         """Delete the GpuDevice of a GPU gone for good (as it was read: a precondition), with an event."""
@@ -58,6 +68,8 @@ class DeviceWriter:
             raise
         self.state.devices.drop(f"/{device.meta.name}")
         self.last_seen.pop(gpu.uuid, None)
+        self.marks.pop(gpu.uuid, None)
+        self.figures_waiting.pop(gpu.uuid, None)
         after = self.settings.inventory.forget_missing_after_s
         log.info(
             "GPU forgotten", uuid=gpu.uuid, node=gpu.node, missing_for_s=round(now - judged.last_seen_at)
@@ -143,8 +155,18 @@ class DeviceWriter:
         self.last_seen[gpu.uuid] = judged.last_seen_at
         refresh_s = refresh_after(gpu.uuid, max_sample_age_s=self.settings.accounting.max_sample_age_s)
         why = why_write(desired, previous, refresh_s=refresh_s)
+        mark = device.meta.annotations.get(ANNOTATION_LEDGER, "")
+        committing = self.marks.get(gpu.uuid, mark) != mark
+        self.marks[gpu.uuid] = mark
         if why is None:
             return True
+        if why is Write.BOOKINGS:
+            # Its sample is this poll's; only the bookings' figures wait (see defer_booking_figures).
+            since = self.figures_waiting.get(gpu.uuid)
+            waited = None if since is None else now - since
+            if defer_booking_figures(committing=committing, deferred_s=waited):
+                self.figures_waiting.setdefault(gpu.uuid, now)
+                return True
         # Only the times moved: the stored figures are this poll's. Dated by the heartbeat, or refreshed
         # next poll (the oldest go first).
         if why is Write.REFRESH and (dated or not budget.take()):
@@ -153,6 +175,7 @@ class DeviceWriter:
         written = await self._write_status(device, desired)
         if written is None:
             return False
+        self.figures_waiting.pop(gpu.uuid, None)
         self.state.devices.put(
             f"/{device.meta.name}", written, resource_version=written.meta.resource_version
         )
