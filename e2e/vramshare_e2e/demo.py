@@ -27,7 +27,12 @@ from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
 from vramshare import status as status_view
-from vramshare.kube.resources import ANNOTATION_GPU_UUID, ANNOTATION_NODE, ANNOTATION_RESERVATION
+from vramshare.kube.resources import (
+    ANNOTATION_GPU_UUID,
+    ANNOTATION_NODE,
+    ANNOTATION_RESERVATION,
+    LABEL_RESERVATION,
+)
 from vramshare_e2e.cluster import RUN_DURATION_ANNOTATION, ClusterSettings, LocalCluster
 from vramshare_e2e.components import (
     chart_admission_policies,
@@ -115,7 +120,12 @@ class Demo:
         reservations = self.custom.list_cluster_custom_object("vramshare.io", "v1alpha1", "gpureservations")[
             "items"
         ]
-        return status_view.from_objects(devices, reservations, now=time.time())
+        # The pods too, as `vramshare status` reads them: a booking whose pod exists is shown Bound.
+        listed = self.core.list_pod_for_all_namespaces(
+            label_selector=LABEL_RESERVATION, _preload_content=False
+        )
+        pods = json.loads(listed.data)["items"]
+        return status_view.from_objects(devices, reservations, now=time.time(), pods=pods)
 
     def simulate_usage(self) -> None:
         """Fake GPUs use what their running pods booked (90% of it), as real tasks would."""

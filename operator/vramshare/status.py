@@ -18,13 +18,20 @@ from typing import Any
 
 import yaml
 
-from vramshare.domain import ReservationPhase
+from vramshare.domain import PodSighting, ReservationPhase, with_its_pod
 from vramshare.domain.freshness import InventoryHeartbeat
 from vramshare.domain.models import mig_summary
 from vramshare.kube.client import ApiError, Connection, KubeClient, list_all
 from vramshare.kube.heartbeat import lease_heartbeat
 from vramshare.kube.objects import GpuDevice, GpuReservation
-from vramshare.kube.resources import LABEL_HEARTBEAT_LEASE, devices_path, reservations_path
+from vramshare.kube.resources import (
+    LABEL_HEARTBEAT_LEASE,
+    LABEL_RESERVATION,
+    devices_path,
+    pods_path,
+    reservations_path,
+)
+from vramshare.kube.sightings import LabelledPod
 
 BAR_WIDTH = 24
 
@@ -79,9 +86,15 @@ def from_objects(
     *,
     now: float,
     heartbeat: InventoryHeartbeat | None = None,
+    pods: list[dict[str, Any]] | None = None,
 ) -> Status:
     """`heartbeat`: the controller's, read before the devices (it dates the GPUs whose figures did not
-    change, as the webhook does; see vramshare.domain.freshness)."""
+    change, as the webhook does; see vramshare.domain.freshness). `pods`: the pods carrying vramshare's
+    reservation label, if this user may list them: a booking whose pod exists is shown Bound
+    (`shown_phase`); without them, phases as written."""
+    by_label: dict[tuple[str, str], list[PodSighting]] = {}
+    for pod in (LabelledPod.from_wire(p) for p in pods or []):
+        by_label.setdefault((pod.namespace, pod.label), []).append(pod.sighting)
     gpus = []
     for device in (GpuDevice.from_wire(d) for d in devices):
         st = device.status
@@ -113,10 +126,10 @@ def from_objects(
         if res.spec.gpu_count > 1:
             sets.setdefault((res.namespace, res.pod_label), []).append(res)
             continue
-        rows.append(_row(res, now=now))
+        rows.append(_row(res, now=now, pods=by_label.get((res.namespace, res.pod_label), [])))
     for members in sets.values():
         members.sort(key=lambda r: (r.name != r.pod_label, r.spec.gpu_index, r.name))
-        first = _row(members[0], now=now)
+        first = _row(members[0], now=now, pods=by_label.get((members[0].namespace, members[0].pod_label), []))
         more = tuple((m.spec.gpu_uuid, m.spec.gpu_index) for m in members[1:])
         rows.append(replace(first, more_gpus=more))
     gpus.sort(key=lambda g: (g.node, g.index, g.uuid))
@@ -137,8 +150,15 @@ _BOOKING_FIELDS = ("namespace", "name", "pod", "mib", "node", "gpu_uuid", "gpu_i
 """What a row shows of the booking, read from the domain's view of it (`GpuReservation.to_domain`)."""
 
 
-def _row(res: GpuReservation, *, now: float) -> ReservationRow:
-    booking = res.to_domain()
+def shown_phase(res: GpuReservation, pods: list[PodSighting]) -> ReservationPhase:
+    """The phase people are shown: as written, but Bound where the booking's pod exists (among `pods`,
+    those carrying its label) though nothing wrote it: the controller writes nothing when a booking's
+    pod appears or starts (issue #45), so its object says Reserved until the booking ends."""
+    return with_its_pod(res.to_domain(), pods).phase
+
+
+def _row(res: GpuReservation, *, now: float, pods: list[PodSighting]) -> ReservationRow:
+    booking = replace(res.to_domain(), phase=shown_phase(res, pods))
     return ReservationRow(
         **{f: getattr(booking, f) for f in _BOOKING_FIELDS},
         phase=booking.phase.value,
@@ -293,7 +313,18 @@ async def fetch(
         heartbeat = await _heartbeat(kube)  # before the devices: they then hold what it confirms
         devices = (await list_all(kube, devices_path())).get("items", [])
         reservations = (await list_all(kube, reservations_path(namespace))).get("items", [])
-    return from_objects(devices, reservations, now=time.time(), heartbeat=heartbeat)
+        pods = await _labelled_pods(kube, namespace)
+    return from_objects(devices, reservations, now=time.time(), heartbeat=heartbeat, pods=pods)
+
+
+async def _labelled_pods(kube: KubeClient, namespace: str | None) -> list[dict[str, Any]] | None:
+    """The pods carrying vramshare's reservation label, if this user may list them (else None: phases
+    are shown as written)."""
+    path = pods_path(namespace) if namespace else "/api/v1/pods"
+    try:
+        return (await list_all(kube, path, label_selector=LABEL_RESERVATION)).get("items", [])  # type: ignore[no-any-return]
+    except ApiError:
+        return None
 
 
 async def _heartbeat(kube: KubeClient) -> InventoryHeartbeat | None:

@@ -19,6 +19,7 @@ import yaml
 from kubernetes import client, config
 
 from vramshare.kube.resources import ANNOTATION_GPU_UUID, ANNOTATION_RESERVATION, device_name
+from vramshare_e2e.bookings import shown_phase_of, shown_phases
 from vramshare_e2e.cluster import RUN_DURATION_ANNOTATION, LocalCluster
 from vramshare_e2e.components import (
     bare_booking,
@@ -144,17 +145,22 @@ def test_reservation_goes_reserved_bound_released_with_events(
 ) -> None:
     pod = core.create_namespaced_pod("jobs", gpu_pod("short-task", 4096, run="4s"))
     name = pod.metadata.annotations[ANNOTATION_RESERVATION]
-    bound = eventually(
-        lambda: (r := reservation(stack, name)).get("status", {}).get("phase") == "Bound" and r, what="Bound"
-    )
-    assert bound["status"]["podUID"] == pod.metadata.uid
-    assert bound["status"]["observedGeneration"] == bound["metadata"]["generation"]
-    # No ownerReference: binding is one status write (issue #31); the controller deletes the booking
-    # once its pod is gone (next test).
-    assert not bound["metadata"].get("ownerReferences")
-    assert bound["metadata"]["finalizers"] == ["vramshare.io/pod-terminated"]  # set at creation
+    # Bound as `vramshare status` shows it (its pod exists) while the object says Reserved, the CRD's
+    # default: nothing writes the booking when its pod appears or starts (issue #45).
+    eventually(lambda: shown_phase_of(stack.kubectl, "jobs", name) == "Bound", what="shown Bound")
+    running = reservation(stack, name)
+    assert running["status"] == {"phase": "Reserved"}
+    assert not [f for f in running["metadata"].get("managedFields") or [] if f.get("subresource") == "status"]
+    # No ownerReference (issue #31); the controller deletes the booking once its pod is gone (next test).
+    assert not running["metadata"].get("ownerReferences")
+    assert running["metadata"]["finalizers"] == ["vramshare.io/pod-terminated"]  # set at creation
     eventually(lambda: phase_of(stack, name) == "Released", what="Released")
-    assert reservation(stack, name)["status"]["reason"] == "PodFinished"
+    released = reservation(stack, name)
+    assert released["status"]["reason"] == "PodFinished"
+    # Its end is written with what the controller kept in memory: the pod it was bound to, its start.
+    assert released["status"]["podUID"] == pod.metadata.uid
+    assert released["status"]["podRunningSince"]
+    assert released["status"]["observedGeneration"] == released["metadata"]["generation"]
     # Ended: labelled inactive, so the webhook's LIST of the live ledger skips it.
     eventually(
         lambda: reservation(stack, name)["metadata"]["labels"].get("vramshare.io/active") == "false",
@@ -173,7 +179,7 @@ def test_reservation_goes_reserved_bound_released_with_events(
 def test_deleting_the_pod_deletes_its_reservation(stack: LocalCluster, core: client.CoreV1Api) -> None:
     pod = core.create_namespaced_pod("jobs", gpu_pod("deleted-task", 1000))
     name = pod.metadata.annotations[ANNOTATION_RESERVATION]
-    eventually(lambda: phase_of(stack, name) == "Bound", what="Bound")
+    eventually(lambda: shown_phase_of(stack.kubectl, "jobs", name) == "Bound", what="Bound")
     core.delete_namespaced_pod("deleted-task", "jobs")
     eventually(
         lambda: "NotFound" in stack.kubectl("get", "gpureservation", name, "-n", "jobs", check=False),
@@ -184,9 +190,8 @@ def test_deleting_the_pod_deletes_its_reservation(stack: LocalCluster, core: cli
 def test_a_pod_deleted_at_once_releases_its_booking_at_once(
     stack: LocalCluster, core: client.CoreV1Api
 ) -> None:
-    """The controller binds a booking when its pod runs (or bind_wait_s after it was created): a pod
-    deleted before that, as here, right after its creation, did exist, so its booking is released
-    and deleted at once, not expired as a pod that never came (TTL 6 s here, then kept an hour)."""
+    """A pod deleted right after its creation did exist, so its booking is released and deleted at
+    once, not expired as a pod that never came (TTL 6 s here, then kept an hour)."""
     pod = core.create_namespaced_pod("jobs", gpu_pod("gone-at-once", 1000))
     core.delete_namespaced_pod("gone-at-once", "jobs", grace_period_seconds=0)
     name = pod.metadata.annotations[ANNOTATION_RESERVATION]
@@ -253,16 +258,17 @@ def live_bookings(stack: LocalCluster, core: client.CoreV1Api, name: str) -> dic
     """A running pod's booking, so an outage test has a live ledger to keep unchanged."""
     pod = core.create_namespaced_pod("jobs", gpu_pod(name, 2000))
     res = pod.metadata.annotations[ANNOTATION_RESERVATION]
-    eventually(lambda: phase_of(stack, res) == "Bound", what="Bound")
+    eventually(lambda: shown_phase_of(stack.kubectl, "jobs", res) == "Bound", what="Bound")
     return ledger_of(stack)
 
 
 def ledger_of(stack: LocalCluster) -> dict[str, Any]:
-    """The bookings of running pods (Bound or Lost), with what makes them count."""
+    """The bookings of running pods (shown Bound, or Lost), with what makes them count."""
+    shown = shown_phases(stack.kubectl, "jobs")
     return {
-        r["metadata"]["name"]: (r["spec"], r["status"].get("phase"), r["status"].get("podUID"))
+        r["metadata"]["name"]: (r["spec"], shown[r["metadata"]["name"]], r["status"].get("podUID"))
         for r in json.loads(stack.kubectl("get", "gpures", "-n", "jobs", "-o", "json"))["items"]
-        if r.get("status", {}).get("phase") in ("Bound", "Lost")
+        if shown.get(r["metadata"]["name"]) in ("Bound", "Lost")
     }
 
 
@@ -316,19 +322,21 @@ def test_exporter_outage_marks_stale_never_missing(stack: LocalCluster, core: cl
 def test_killed_controller_loses_no_reservation(stack: LocalCluster, core: client.CoreV1Api) -> None:
     pod = core.create_namespaced_pod("jobs", gpu_pod("survivor", 1500))
     name = pod.metadata.annotations[ANNOTATION_RESERVATION]
-    eventually(lambda: phase_of(stack, name) == "Bound", what="Bound")
-    before = {
-        r["metadata"]["name"]: r.get("status", {}).get("phase")
+    eventually(lambda: shown_phase_of(stack.kubectl, "jobs", name) == "Bound", what="Bound")
+    before = shown_phases(stack.kubectl, "jobs")
+    written = {
+        r["metadata"]["name"]: r["status"]
         for r in json.loads(stack.kubectl("get", "gpures", "-n", "jobs", "-o", "json"))["items"]
     }
     stack.stop_component("controller-1", kill=True)
     stack.start_component("controller-1")
     time.sleep(4)  # several polls and sweeps by the new process
-    after = {
-        r["metadata"]["name"]: r.get("status", {}).get("phase")
+    assert shown_phases(stack.kubectl, "jobs") == before
+    # The new process bound the running pods' bookings again in memory, from the pods: nothing written.
+    assert {
+        r["metadata"]["name"]: r["status"]
         for r in json.loads(stack.kubectl("get", "gpures", "-n", "jobs", "-o", "json"))["items"]
-    }
-    assert after == before
+    } == written
 
 
 def test_with_two_controllers_only_one_acts_and_the_other_takes_over(stack: LocalCluster) -> None:
@@ -388,7 +396,7 @@ def test_removed_gpu_goes_missing_and_its_reservations_lost(
     pod = core.create_namespaced_pod("jobs", gpu_pod("on-doomed-gpu", 1000, node="gpu-node-b"))
     uuid = pod.metadata.annotations[ANNOTATION_GPU_UUID]
     name = pod.metadata.annotations[ANNOTATION_RESERVATION]
-    eventually(lambda: phase_of(stack, name) == "Bound", what="Bound")
+    eventually(lambda: shown_phase_of(stack.kubectl, "jobs", name) == "Bound", what="Bound")
     stack.exporter.remove_gpu(uuid)
     eventually(lambda: devices(stack)[uuid]["status"]["state"] == "Missing", what="Missing", timeout_s=20)
     eventually(lambda: phase_of(stack, name) == "Lost", what="Lost", timeout_s=10)
@@ -609,7 +617,7 @@ def keeps_counting(
     deleted: bool = True,
 ) -> str:
     """Wait until the pod is terminating and (`deleted`) its booking's deletion requested, then check
-    for 4 s (four lifecycle sweeps) that the booking stays, Bound, counted in its GPU's reserved
+    for 4 s (four lifecycle sweeps) that the booking stays, not ended, counted in its GPU's reserved
     memory, and (`event`) that an event says why; returns its name. A namespace being deleted takes no
     new events."""
     name = pod.metadata.annotations[ANNOTATION_RESERVATION]
@@ -627,7 +635,7 @@ def keeps_counting(
     until = time.monotonic() + 4
     while time.monotonic() < until:
         res = reservation(stack, name, namespace)  # still there: a NotFound fails the test
-        assert res["status"]["phase"] == "Bound", res["status"]
+        assert res["status"]["phase"] == "Reserved", res["status"]  # as admitted: nothing ended it
         assert devices(stack)[uuid]["status"]["reservedMiB"] >= mib
         time.sleep(0.5)
     if not event:
@@ -665,7 +673,7 @@ def test_a_deleted_namespace_keeps_its_bookings_until_its_pods_are_gone(
     stack.create_namespace(ns, {"vramshare-e2e/shard": "ctl"})
     pod = core.create_namespaced_pod(ns, terminating_pod("still-running", 3000))
     res = pod.metadata.annotations[ANNOTATION_RESERVATION]
-    eventually(lambda: reservation(stack, res, ns).get("status", {}).get("phase") == "Bound", what="Bound")
+    eventually(lambda: shown_phase_of(stack.kubectl, ns, res) == "Bound", what="Bound")
     counted(stack, pod)
     core.delete_namespace(ns)
     # 1.37's namespace controller leaves the booking alone while the pod is there (ordered deletion)...
@@ -697,7 +705,7 @@ def test_foreground_deletion_of_a_pod_keeps_its_booking_until_the_pod_is_gone(
     older vramshare, which has one, is deleted and kept by its finalizer (the namespace test above)."""
     pod = core.create_namespaced_pod("jobs", terminating_pod("foreground", 3000))
     res = pod.metadata.annotations[ANNOTATION_RESERVATION]
-    eventually(lambda: phase_of(stack, res) == "Bound", what="Bound")
+    eventually(lambda: shown_phase_of(stack.kubectl, "jobs", res) == "Bound", what="Bound")
     counted(stack, pod)
     core.delete_namespaced_pod("foreground", "jobs", propagation_policy="Foreground")
     keeps_counting(stack, core, namespace="jobs", pod=pod, event=False, deleted=False)

@@ -15,6 +15,7 @@ from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
 from vramshare.kube.resources import ANNOTATION_GPU_UUID, ANNOTATION_RESERVATION
+from vramshare_e2e.bookings import shown_phase_of
 from vramshare_e2e.cluster import ClusterSettings, LocalCluster
 from vramshare_e2e.components import metric, start_controller, start_webhook, webhook_configuration
 from vramshare_e2e.fleet import FakeGpu, FakeNode, Fleet, stable_gpu_uuid
@@ -153,7 +154,7 @@ def test_each_exporter_family_reads_as_the_same_fleet(
     placed = core.create_namespaced_pod("jobs", pod(f"large-{flavour.replace('.', '-')}", 30_000))
     assert placed.metadata.annotations[ANNOTATION_GPU_UUID] == A100
     booking = placed.metadata.annotations[ANNOTATION_RESERVATION]
-    eventually(lambda: phase(cluster, booking) == "Bound", what="the booking Bound")
+    eventually(lambda: shown_phase_of(cluster.kubectl, "jobs", booking) == "Bound", what="the booking Bound")
     core.delete_namespaced_pod(placed.metadata.name, "jobs", grace_period_seconds=0)
     eventually(lambda: phase(cluster, booking) in ("Released", "gone"), what="the booking released")
 

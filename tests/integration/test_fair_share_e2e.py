@@ -14,7 +14,8 @@ import pytest
 from kubernetes import client, config
 
 from vramshare.kube.pods import QUEUE_GATE
-from vramshare.kube.resources import LABEL_QUEUE_WEIGHT
+from vramshare.kube.resources import LABEL_QUEUE_WEIGHT, LABEL_RESERVATION
+from vramshare_e2e.bookings import phases_of
 from vramshare_e2e.cluster import RUN_DURATION_ANNOTATION, ClusterSettings, LocalCluster
 from vramshare_e2e.components import (
     start_controller,
@@ -82,8 +83,10 @@ def gated(core: client.CoreV1Api, ns: str, name: str) -> bool:
 
 
 def bound(stack: LocalCluster) -> int:
+    """Bookings whose pod exists, as `vramshare status` shows them."""
     items = json.loads(stack.kubectl("get", "gpureservations", "-A", "-o", "json"))["items"]
-    return sum(1 for r in items if r.get("status", {}).get("phase") == "Bound")
+    pods = json.loads(stack.kubectl("get", "pods", "-A", "-l", LABEL_RESERVATION, "-o", "json"))["items"]
+    return sum(1 for phase in phases_of(items, pods).values() if phase == "Bound")
 
 
 def waiting_in_queue(stack: LocalCluster) -> set[str]:

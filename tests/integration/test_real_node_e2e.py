@@ -30,6 +30,7 @@ from kubernetes import client, config
 
 from vramshare.kube.resources import ANNOTATION_GPU_UUID, ANNOTATION_RESERVATION
 from vramshare_e2e.airflow import prepare
+from vramshare_e2e.bookings import shown_phase_of
 from vramshare_e2e.cluster import RUN_DURATION_ANNOTATION, LocalCluster
 from vramshare_e2e.fleet import stable_gpu_uuid
 from vramshare_e2e.image import ProductImage
@@ -393,7 +394,11 @@ def test_a_gpu_pod_runs_on_a_real_node_with_the_gpu_it_was_given(stack: Stack) -
     uuid = created.metadata.annotations[ANNOTATION_GPU_UUID]
     assert uuid in H100  # only the H100s have 50 000 MiB
     booking = created.metadata.annotations[ANNOTATION_RESERVATION]
-    eventually(lambda: reservation_phase(cluster, booking) == "Bound", what="the booking Bound", timeout_s=60)
+    eventually(
+        lambda: shown_phase_of(cluster.kubectl, JOBS, booking) in ("Bound", "Released", "gone"),
+        what="the booking Bound",
+        timeout_s=60,
+    )
     pod = eventually(lambda: finished(core, "train"), what="the container to run and exit", timeout_s=120)
     print(
         "\nGPU pod admitted by the chart's webhook, scheduled, run and exited in "
@@ -425,7 +430,10 @@ def test_a_force_deleted_pod_keeps_its_booking_while_its_container_still_runs(st
     pod.spec.termination_grace_period_seconds = 12  # the shell, PID 1, ignores SIGTERM: killed at the end
     booking = core.create_namespaced_pod(JOBS, pod).metadata.annotations[ANNOTATION_RESERVATION]
     eventually(
-        lambda: reservation_phase(cluster, booking) == "Bound" and node.running_containers("stubborn") == 1,
+        lambda: (
+            shown_phase_of(cluster.kubectl, JOBS, booking) == "Bound"
+            and node.running_containers("stubborn") == 1
+        ),
         what="the container running and its booking Bound",
         timeout_s=90,
         detail=lambda: (
@@ -440,7 +448,8 @@ def test_a_force_deleted_pod_keeps_its_booking_while_its_container_still_runs(st
     gone_after = released_after = None
     while time.monotonic() - deleted < 45 and (gone_after is None or released_after is None):
         running = node.running_containers("stubborn")
-        counted = reservation_phase(cluster, booking) == "Bound"
+        # Its pod object is gone: the booking counts until it is written Released (or deleted).
+        counted = reservation_phase(cluster, booking) == "Reserved"
         elapsed = time.monotonic() - deleted
         if gone_after is None and not running:
             gone_after = elapsed
@@ -828,15 +837,18 @@ def test_deleting_the_leading_controller_pod_hands_the_lease_to_the_other(stack:
     which = "the stand-by" if new_leader in others else "the deleted pod's replacement"
     print(f"\nleading controller pod deleted: {new_leader} ({which}) took the Lease {handover:.1f} s later")
     assert new_leader in {p.metadata.name for p in stack.pods("controller")}
-    # The new leader acts: a booking made now is bound by it.
+    # The new leader acts: a booking made now is bound by it to its pod (in memory), and released to
+    # it when the pod ends (kwok runs it 2 s).
     created = stack.core.create_namespaced_pod(LOAD, load_pod("after-failover"))
     booking = created.metadata.annotations[ANNOTATION_RESERVATION]
     eventually(
         lambda: any(
-            r["metadata"]["name"] == booking and r.get("status", {}).get("phase") in ("Bound", "Released")
+            r["metadata"]["name"] == booking
+            and r.get("status", {}).get("phase") == "Released"
+            and r["status"].get("podUID") == created.metadata.uid
             for r in reservations(stack.cluster, LOAD)
         ),
-        what="the booking bound under the new leader",
+        what="the booking bound and released under the new leader",
         timeout_s=60,
     )
     eventually(

@@ -29,8 +29,9 @@ from kubernetes.client.exceptions import ApiException
 
 from tests import hostile_reviews
 from vramshare.kube.heartbeat import ANNOTATION_HEARTBEAT
-from vramshare.kube.resources import ANNOTATION_RESERVATION
+from vramshare.kube.resources import ANNOTATION_RESERVATION, LABEL_RESERVATION
 from vramshare_e2e.admission_parts import start_mutating_webhook
+from vramshare_e2e.bookings import phases_of
 from vramshare_e2e.cluster import LocalCluster
 from vramshare_e2e.components import (
     as_the_api_server,
@@ -82,6 +83,13 @@ class Stack:
         return list(
             self.custom.list_cluster_custom_object("vramshare.io", "v1alpha1", "gpureservations")["items"]
         )
+
+    def shown_phases(self) -> dict[tuple[str, str], str]:
+        """Every booking's phase as `vramshare status` shows it (Bound where its pod exists)."""
+        listed = self.core.list_pod_for_all_namespaces(
+            label_selector=LABEL_RESERVATION, _preload_content=False
+        )
+        return phases_of(self.reservations(), json.loads(listed.data)["items"])
 
     def capacity(self) -> dict[str, int]:
         """What the ledger may hold per GPU: free memory minus the margin (nothing else uses fake GPUs)."""
@@ -309,16 +317,17 @@ def test_concurrency_with_crashes_keeps_every_promise(stack: Stack) -> None:
     assert set(outcomes) <= {"admitted", "refused", "quota", "webhook-down"}, outcomes
 
     # After the TTL: exactly one active reservation per admitted pod, none for refused or failed ones,
-    # and every admitted pod's reservation Bound (no Bound reservation lost across the crashes).
+    # and every admitted pod's reservation Bound to it (no booking of a running pod lost across the
+    # crashes, none expired as if its pod never came).
     def settled() -> bool:
         active = {
-            (r["metadata"]["namespace"], r["metadata"]["name"]): r
-            for r in stack.reservations()
-            if r.get("status", {}).get("phase", "Reserved") in ("Reserved", "Bound", "Lost")
+            key: phase
+            for key, phase in stack.shown_phases().items()
+            if phase in ("Reserved", "Bound", "Lost")
         }
-        return sorted(active) == sorted((ns, name) for (ns, _), name in admitted.items()) and all(
-            r["status"]["phase"] == "Bound" for r in active.values()
-        )
+        return sorted(active) == sorted((ns, name) for (ns, _), name in admitted.items()) and set(
+            active.values()
+        ) <= {"Bound"}
 
     eventually(settled, what="active reservations == admitted pods, all Bound", timeout_s=TTL_S + 30)
     everything = stack.reservations()
@@ -403,11 +412,11 @@ def test_api_server_restart_is_survived_without_restarting_vramshare(stack: Stac
 
     eventually(fresh, what="the inventory to move on", timeout_s=30)
     name = pod.metadata.annotations[ANNOTATION_RESERVATION]
+    eventually(lambda: stack.shown_phases().get(("load-r1", name)) == "Bound", what="the booking Bound")
+    # The lifecycle moves on: the pod deleted, its booking is released and deleted with it.
+    stack.core.delete_namespaced_pod("after-restart", "load-r1", grace_period_seconds=0)
     eventually(
-        lambda: any(
-            r["metadata"]["name"] == name and r.get("status", {}).get("phase") == "Bound"
-            for r in stack.reservations()
-        ),
+        lambda: ("load-r1", name) not in stack.shown_phases(),
         what="the lifecycle to move on",
         timeout_s=30,
     )

@@ -261,3 +261,34 @@ def test_gpus_not_shared_say_why_and_a_booked_one_is_called_out() -> None:
     assert "gpu-node-a GPU 1: not shared yet 20480 MiB booked on it" in shown
     assert "GPU 0: not shared yet" not in shown
     assert "not shared" not in render(from_objects([DEVICE], [], now=NOW))
+
+
+def _pod(name: str, *, label: str = "train-abc", created: float = NOW - 299) -> dict[str, object]:
+    return {
+        "metadata": {
+            "name": name,
+            "namespace": "airflow",
+            "uid": f"uid-{name}",
+            "creationTimestamp": format_time(created),
+            "labels": {"vramshare.io/reservation": label},
+            "annotations": {"vramshare.io/gpu-uuid": "GPU-1234567890abcdef"},
+        },
+        "status": {"phase": "Running"},
+    }
+
+
+def test_a_booking_is_shown_bound_where_its_pod_exists_though_nothing_wrote_it() -> None:
+    """Issue #45: the controller writes nothing when a booking's pod appears; the object says Reserved
+    (the CRD's default) and `vramshare status` shows what the pods say."""
+    reserved = {**RESERVATION, "status": {"phase": "Reserved"}}
+    shown = from_objects([DEVICE], [reserved], now=NOW, pods=[_pod("train")])
+    assert [r.phase for r in shown.reservations] == ["Bound"]
+    # Without the pods (a user who may not list them), or with only a copy of its label: as written.
+    assert [r.phase for r in from_objects([DEVICE], [reserved], now=NOW).reservations] == ["Reserved"]
+    copied = from_objects([DEVICE], [reserved], now=NOW, pods=[_pod("someone-else")])
+    assert [r.phase for r in copied.reservations] == ["Reserved"]
+    # Ended bookings are shown as written, whatever pod is left.
+    released = {**RESERVATION, "status": {"phase": "Released"}}
+    assert [
+        r.phase for r in from_objects([DEVICE], [released], now=NOW, pods=[_pod("train")]).reservations
+    ] == ["Released"]

@@ -22,7 +22,6 @@ from vramshare.kube.lease_watch import HeartbeatSource, LeaseHeartbeat
 from vramshare.kube.ledger import KubeLedger
 from vramshare.kube.pods import node_view
 from vramshare.kube.replicas import ReplicaEndpoints, ReplicaLeases
-from vramshare.kube.resources import LABEL_RESERVATION
 from vramshare.kube.watch import WatchCache
 from vramshare.settings import SettingsError
 from vramshare_webhook.admission import Admitter, ClusterView
@@ -80,7 +79,12 @@ async def serve(settings: WebhookSettings) -> None:
             ),
             on_rebase=metrics.rebased_commits.inc,
             heartbeat=HeartbeatSource(heartbeat.latest),
+            # GPU pods (those carrying vramshare's label): a booking whose pod appeared is not pending,
+            # and counts from its pod's start, before the controller writes either.
+            watch_pods=True,
         )
+        gpu_pods = ledger.pods
+        assert gpu_pods is not None
         tls, secret = await _certificates(settings, kube)
         # Namespaces choose queue mode and guardrails by label.
         namespaces: WatchCache[dict[str, str]] = WatchCache(
@@ -115,15 +119,6 @@ async def serve(settings: WebhookSettings) -> None:
             prefix = f"{namespace}/"
             return [q for k, q in quotas.items.items() if q and k.startswith(prefix)]
 
-        # GPU pods (those carrying vramshare's label): a booking whose pod appeared is not pending.
-        gpu_pods: WatchCache[tuple[str, str]] = WatchCache(
-            kube,
-            "/api/v1/pods",
-            decode=lambda o: (o["metadata"]["namespace"], o["metadata"]["labels"][LABEL_RESERVATION]),
-            label_selector=LABEL_RESERVATION,
-            name="pods",
-        )
-
         # Nodes: a GPU on a node the pod could never be scheduled onto is passed over.
         nodes: WatchCache[NodeView] = WatchCache(kube, "/api/v1/nodes", decode=node_view, name="nodes")
         # Its peers, so that GPUs that tie are dealt out among the replicas up: the pods ready behind
@@ -153,7 +148,7 @@ async def serve(settings: WebhookSettings) -> None:
                 namespace_labels=lambda namespace: namespaces.items.get(f"/{namespace}", {}),
                 nodes=lambda: nodes.items.values(),
                 resource_quotas=quotas_of,
-                gpu_pods=lambda: gpu_pods.items.values(),
+                gpu_pods=lambda: ((p.namespace, p.label) for p in gpu_pods.items.values()),
                 replicas=replicas.up if replicas is not None else tuple,
             ),
         )
@@ -192,7 +187,6 @@ async def serve(settings: WebhookSettings) -> None:
             asyncio.create_task(namespaces.run()),
             asyncio.create_task(nodes.run()),
             asyncio.create_task(quotas.run()),
-            asyncio.create_task(gpu_pods.run()),
             asyncio.create_task(heartbeat.run()),
             asyncio.create_task(announce_sync()),
         ]

@@ -119,6 +119,8 @@ async def run(settings: ControllerSettings) -> None:
                     ledger = KubeLedger(
                         kube,
                         heartbeat=HeartbeatSource(partial(newest_heartbeat, inventory, elector)),
+                        # Its bookings counted from their pods' starts, from the state's pod watch.
+                        pods=state.pods_by_label,
                     )
                     pools = (
                         PoolSync(

@@ -94,7 +94,8 @@ class ControllerMetrics:
         )
         self.transitions = Counter(
             "vramshare_reservation_transitions",
-            "Reservation phase changes by the reason (PodBound, PodNeverCreated, GpuMissing, ...).",
+            "Reservation phase changes by the reason (PodBound: its pod first seen, bound in memory; "
+            "PodNeverCreated, GpuMissing, ...).",
             ["phase", "reason"],
             registry=self.registry,
         )

@@ -74,10 +74,11 @@ class ControllerSettings:
     vramshare admitted it. Keep it above the webhooks' timeouts; a pod that appears later still gets
     its booking back."""
     bind_wait_s: float = 5.0
-    """A booking whose pod is seen before it runs is bound once it runs, or this long after the pod was
-    created, whichever comes first: one status write (Bound with the start time) for a pod that starts
-    within it, where binding at first sight wrote twice (issue #31). 0: bind at first sight. Below the
-    reservation TTL."""
+    """A queued pod's placement whose pod is seen before it runs is written Bound once it runs, or this
+    long after the pod was created, whichever comes first: one status write (Bound with the start
+    time) for a pod that starts within it, where binding at first sight wrote twice (issue #31). Other
+    bookings are bound in memory at first sight, with no write (issue #45). 0: write at first sight.
+    Below the reservation TTL."""
     retention_s: float = 3600.0
     """Released, Expired and Lost reservations are deleted this long after they ended."""
     never_created_retention_s: float = 300.0

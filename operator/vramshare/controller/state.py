@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 
+from vramshare.domain import Reservation, with_its_pod
 from vramshare.domain.holds import Holder
 from vramshare.domain.scheduling import NodeView
 from vramshare.kube.client import KubeClient, Obj
@@ -19,6 +20,7 @@ from vramshare.kube.holders import HOLDER_SELECTOR, holder_from_wire
 from vramshare.kube.objects import GpuDevice, GpuReservation
 from vramshare.kube.pods import node_view
 from vramshare.kube.resources import LABEL_RESERVATION, devices_path, pods_path, reservations_path
+from vramshare.kube.sightings import LabelledPod, PodsByLabel
 from vramshare.kube.watch import WatchCache
 
 
@@ -37,6 +39,13 @@ class ClusterState:
         self.nodes: WatchCache[NodeView] = WatchCache(kube, "/api/v1/nodes", decode=node_view, name="nodes")
         self.pods: WatchCache[Obj] = WatchCache(
             kube, "/api/v1/pods", decode=_pod, label_selector=LABEL_RESERVATION, name="pods"
+        )
+        self.pods_by_label = PodsByLabel()
+        """The same pods as sightings by label: what the lifecycle and the accounting need of them."""
+        self.pods.on_change(
+            lambda key, pod, _previous: self.pods_by_label.changed(
+                key, LabelledPod.from_wire(pod) if pod is not None and pod["metadata"].get("uid") else None
+            )
         )
         self.namespaces: WatchCache[dict[str, str]] = WatchCache(
             kube,
@@ -85,6 +94,19 @@ class ClusterState:
     async def wait_synced(self) -> None:
         for cache in self._caches:
             await cache.synced.wait()
+
+    def bookings(self) -> list[Reservation]:
+        """The active bookings, each as its pod shows it (`vramshare.domain.with_its_pod`): the
+        controller writes nothing when a booking's pod appears or starts (issue #45), so the start that
+        dates what a sample can show is read from the pod."""
+        out = []
+        for res in self.reservations.items.values():
+            if not res.phase.is_active:
+                continue
+            booking = res.to_domain()
+            pods = self.pods_by_label.of(res.namespace, res.pod_label)
+            out.append(with_its_pod(booking, pods) if pods else booking)
+        return out
 
     def pods_by_reservation(self) -> dict[tuple[str, str], list[Obj]]:
         """Admitted pods grouped by (namespace, the reservation their label names)."""

@@ -33,6 +33,7 @@ from vramshare.domain.lifecycle import (
     due_for_cleanup,
     genuine_pod,
     next_phase,
+    with_its_pod,
 )
 from vramshare.domain.messages import describe_verdict, refusal_message
 from vramshare.domain.models import AllocationRequest, Gpu, Reservation, ReservationPhase, model_matches
@@ -96,4 +97,5 @@ __all__ = [
     "plan_queue",
     "refusal_message",
     "retry_after_s",
+    "with_its_pod",
 ]

@@ -26,7 +26,7 @@ the controller deletes them after a retention period.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 
 from vramshare.domain.models import Reservation, ReservationPhase
@@ -217,3 +217,29 @@ def genuine_pod(
     candidates = sorted(pods, key=lambda p: (p.created_at, p.name))
     genuine = next((p for p in candidates if belongs(reservation, p, bound_uid=bound_uid)), None)
     return genuine, [p for p in candidates if p is not genuine]
+
+
+def with_its_pod(reservation: Reservation, pods: Iterable[PodSighting]) -> Reservation:
+    """`reservation` as its pod shows it, for a reader that watches the pods (the webhooks): a Reserved
+    booking whose pod exists counts as Bound (no longer pending for its namespace and user), and a
+    booking counts from its pod's start (the part of its memory a sample can show once settled), both
+    whether or not the controller has written them yet. The pod is the earliest that `belongs` to it
+    before a bind (its name, its GPU, created after it); a pod that finished is left to the controller.
+    What the controller writes always wins: a start it recorded is kept, other phases are left as they
+    are."""
+    phase = reservation.phase
+    if phase not in (ReservationPhase.RESERVED, ReservationPhase.BOUND):
+        return reservation
+    if phase is ReservationPhase.BOUND and reservation.pod_running_since is not None:
+        return reservation
+    pod, _ = genuine_pod(reservation, pods, bound_uid=None)
+    if pod is None or pod.state is not PodState.ACTIVE:
+        return reservation
+    return replace(
+        reservation,
+        phase=ReservationPhase.BOUND,
+        pod_seen=True,
+        pod_running_since=reservation.pod_running_since
+        if reservation.pod_running_since is not None
+        else pod.running_since,
+    )

@@ -417,3 +417,15 @@ def test_a_pod_is_seen_to_hold_containers_only_where_a_runtime_runs_them() -> No
         pod_sighting({**pod, "status": {"phase": "Succeeded", "containerStatuses": [running]}}).forced_grace_s
         is None
     )
+
+
+def test_what_the_crds_default_shows_is_read_as_nothing_written() -> None:
+    """The API server shows status.phase Reserved where nothing was written (the CRD's default, issue
+    #45): a hold is still Held, a queue entry without a GPU still Queued, and a booking is not written."""
+    hold = obj("Reserved", age=100)
+    hold["metadata"]["labels"] = {"vramshare.io/active": "true", "vramshare.io/held-for": "abc"}
+    assert GpuReservation.from_wire(hold).phase is ReservationPhase.HELD
+    entry = obj("Reserved")
+    entry["spec"] = {"podName": "task", "memoryMiB": 4096}
+    assert GpuReservation.from_wire(entry).phase is ReservationPhase.QUEUED
+    assert make(obj("Reserved", age=1), None).empty

@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from tests.unit.domain.builders import reservation
-from vramshare.domain import PodSighting, PodState, ReservationPhase, due_for_cleanup, genuine_pod, next_phase
+from vramshare.domain import (
+    PodSighting,
+    PodState,
+    ReservationPhase,
+    due_for_cleanup,
+    genuine_pod,
+    next_phase,
+    with_its_pod,
+)
 from vramshare.domain.lifecycle import EndedRecord, records_past_bound
 
 R, B, L, E = (
@@ -249,3 +259,73 @@ def test_ended_records_past_the_bound_are_the_oldest_of_each_namespace(
         if kept and gone:
             assert min(r.finished_at for r in kept) >= max(r.finished_at for r in gone)
     assert excess == sorted(excess, key=lambda r: (r.finished_at, r.namespace, r.name))
+
+
+def _sighting(*, name: str = "task-1", created_at: float, running_since: float | None = None) -> PodSighting:
+    return PodSighting(
+        name=name,
+        uid=f"uid-{name}",
+        created_at=created_at,
+        state=PodState.ACTIVE,
+        running_since=running_since,
+        gpu_uuid="GPU-a",
+    )
+
+
+def test_a_reserved_booking_whose_pod_exists_counts_as_bound_from_its_start() -> None:
+    booked = reservation(4096, phase=R)
+    pod = _sighting(created_at=booked.reserved_at + 1, running_since=booked.reserved_at + 3)
+    seen = with_its_pod(booked, [pod])
+    assert (seen.phase, seen.pod_seen, seen.pod_running_since) == (B, True, booked.reserved_at + 3)
+    assert (seen.mib, seen.gpu_uuid, seen.name) == (booked.mib, booked.gpu_uuid, booked.name)
+
+
+def test_what_the_controller_wrote_wins() -> None:
+    bound = reservation(4096, phase=B, running_since=100.0)
+    assert with_its_pod(bound, [_sighting(created_at=0.0, running_since=200.0)]) is bound
+    # Bound before its pod ran (the bind waited its time): the start comes from the pod.
+    early = reservation(4096, phase=B)
+    assert (
+        with_its_pod(early, [_sighting(created_at=early.reserved_at, running_since=300.0)]).pod_running_since
+        == 300.0
+    )
+
+
+@pytest.mark.parametrize(
+    "phase", [ReservationPhase.QUEUED, ReservationPhase.HELD, L, E, ReservationPhase.RELEASED]
+)
+def test_other_phases_are_left_to_the_controller(phase: ReservationPhase) -> None:
+    booked = reservation(4096, phase=phase)
+    assert with_its_pod(booked, [_sighting(created_at=booked.reserved_at + 1, running_since=1.0)]) is booked
+
+
+def test_a_pod_not_its_own_or_finished_changes_nothing() -> None:
+    booked = reservation(4096, phase=R)
+    older = _sighting(created_at=booked.reserved_at - 1)  # made before the booking: a copied label
+    other = _sighting(name="task-2", created_at=booked.reserved_at + 1)
+    finished = replace(_sighting(created_at=booked.reserved_at + 1), state=PodState.FINISHED)
+    for pods in ([older], [other], [finished], []):
+        assert with_its_pod(booked, pods) is booked
+
+
+@given(
+    phase=st.sampled_from(list(ReservationPhase)),
+    offsets=st.lists(st.tuples(st.floats(-5, 5), st.one_of(st.none(), st.floats(0, 50))), max_size=4),
+    names=st.lists(st.sampled_from(["task-1", "task-2"]), min_size=4, max_size=4),
+)
+def test_its_pod_never_makes_a_booking_count_less(
+    phase: ReservationPhase, offsets: list[tuple[float, float | None]], names: list[str]
+) -> None:
+    """Whatever pods carry its label, a booking keeps its memory, its GPU and whether it holds memory."""
+    booked = reservation(4096, phase=phase)
+    pods = [
+        _sighting(name=n, created_at=booked.reserved_at + at, running_since=start)
+        for n, (at, start) in zip(names, offsets, strict=False)
+    ]
+    seen = with_its_pod(booked, pods)
+    assert (seen.mib, seen.gpu_uuid, seen.is_active, seen.phase.is_open) == (
+        booked.mib,
+        booked.gpu_uuid,
+        booked.is_active,
+        booked.phase.is_open,
+    )

@@ -107,7 +107,7 @@ class InventoryLoop:
         step.done("read")
         # From the watch caches: no LIST per poll.
         devices = list(self.state.devices.items.values())
-        reservations = [r.to_domain() for r in self.state.reservations.items.values() if r.phase.is_active]
+        reservations = self.state.bookings()
         node_views = list(self.state.nodes.items.values())
         nodes = {n.name for n in node_views}
         now = self.clock()

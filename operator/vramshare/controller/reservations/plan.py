@@ -21,55 +21,14 @@ from vramshare.domain import (
     due_for_cleanup,
     next_phase,
 )
-from vramshare.kube.client import Obj
 from vramshare.kube.events import Event
 from vramshare.kube.objects import (
     GpuReservation,
     ReservationStatus,
 )
-from vramshare.kube.resources import (
-    ANNOTATION_GPU_UUID,
-    parse_time,
-)
+from vramshare.kube.sightings import KUBELET_KILL_S, pod_sighting
 
-DEFAULT_GRACE_S = 30.0
-"""A pod's terminationGracePeriodSeconds when its spec does not say (the API server's default)."""
-KUBELET_KILL_S = 2.0
-"""What the kubelet takes past the grace period to kill and reap the containers (its minimum grace)."""
-
-
-def pod_sighting(pod: Obj) -> PodSighting:
-    """What the lifecycle needs of a pod carrying a reservation's label."""
-    meta, status = pod["metadata"], pod.get("status") or {}
-    starts = []
-    for c in status.get("containerStatuses") or []:
-        state = c.get("state") or {}
-        started = (state.get("running") or state.get("terminated") or {}).get("startedAt")
-        if started:
-            starts.append(parse_time(started))
-    phase = str(status.get("phase") or "Pending")
-    scheduled: Obj = next((c for c in status.get("conditions") or [] if c.get("type") == "PodScheduled"), {})
-    unschedulable = scheduled.get("status") == "False" and scheduled.get("reason") == "Unschedulable"
-    finished = phase in ("Succeeded", "Failed")
-    # A container the runtime runs (it has an ID) that has not stopped: should the pod object go now, the
-    # kubelet has yet to kill it. A graceful delete removes the object only once every container stopped.
-    runs = any(
-        c.get("containerID") and "running" in (c.get("state") or {})
-        for c in status.get("containerStatuses") or []
-    )
-    grace = (pod.get("spec") or {}).get("terminationGracePeriodSeconds")
-    grace_s = float(grace) if isinstance(grace, int | float) else DEFAULT_GRACE_S
-    return PodSighting(
-        forced_grace_s=grace_s if runs and not finished else None,
-        unschedulable_since=parse_time(scheduled.get("lastTransitionTime")) or 0.0 if unschedulable else None,
-        unschedulable_message=str(scheduled.get("message") or "") if unschedulable else "",
-        name=meta["name"],
-        uid=meta["uid"],
-        created_at=parse_time(meta.get("creationTimestamp")) or 0.0,
-        state=PodState.FINISHED if finished else PodState.ACTIVE,
-        running_since=min((s for s in starts if s is not None), default=None),
-        gpu_uuid=(meta.get("annotations") or {}).get(ANNOTATION_GPU_UUID),
-    )
+__all__ = ["ABSENCE", "KUBELET_KILL_S", "Plan", "plan", "pod_sighting"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -113,11 +72,13 @@ def plan(
     bind_wait_s: float = 0.0,
     pod_deleted: bool = False,
     running_until: float | None = None,
+    watching_since: float = float("-inf"),
 ) -> Plan:
     """What to write for `res` now. `pod_deleted`: its pod's deletion was just seen (it may have gone
     before its booking was bound: see `bind_wait_s`). `running_until`: its pod was force-deleted while it
     ran, and its containers may run until then. A booking whose pod never appeared is kept
-    `never_created_retention_s` (default: `retention_s`)."""
+    `never_created_retention_s` (default: `retention_s`). `watching_since`: when the controller started
+    watching pods (a booking older than that may have had a pod that came and went unseen)."""
     current = res.status
     seen = bool(current.pod_uid) or pod_deleted
     status = current
@@ -134,6 +95,17 @@ def plan(
         seen=seen,
         hold_limit_s=hold_limit_s,
     )
+    if (
+        transition is not None
+        and transition.reason == "PodNeverCreated"
+        and (res.meta.created_at or 0.0) < watching_since
+    ):
+        # Nothing records that a booking's pod was seen (issue #45): one made before this controller
+        # started may have had a pod that ended, or was deleted, while none was running.
+        transition = replace(
+            transition,
+            message=f"{transition.message}; or its pod came and went while no controller was watching",
+        )
     if pod is not None and _binds_later(transition, pod, now=now, bind_wait_s=bind_wait_s):
         return Plan(bind_at=pod.created_at + bind_wait_s)
     if (

@@ -69,6 +69,7 @@ from vramshare.kube.resources import (
     devices_path,
     reservations_path,
 )
+from vramshare.kube.sightings import PodsByLabel
 
 log = structlog.get_logger("vramshare.ledger")
 
@@ -114,9 +115,17 @@ class CommitProtocol(LedgerView):
         has_room: Callable[[Gpu, LedgerIndex], bool] | None = None,
         on_rebase: Callable[[], None] = lambda: None,
         heartbeat: HeartbeatSource | None = None,
+        watch_pods: bool = False,
+        pods: PodsByLabel | None = None,
     ) -> None:
         super().__init__(
-            kube, clock=clock, on_write=on_write, on_consistent_read=on_consistent_read, heartbeat=heartbeat
+            kube,
+            clock=clock,
+            on_write=on_write,
+            on_consistent_read=on_consistent_read,
+            heartbeat=heartbeat,
+            watch_pods=watch_pods,
+            pods=pods,
         )
         self.has_room = has_room
         """Whether a GPU has room for everything booked on it in the index (the domain's

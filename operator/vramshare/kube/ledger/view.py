@@ -44,6 +44,12 @@ time is never put on figures older than the ones it was read with. It moves samp
 and only changes which bookings count as not yet visible in used memory and which GPUs are stale, never
 the tokens: the commit protocol above is untouched.
 
+**A booking counts from its pod's start, read from the pods** (issue #45). Where it watches the GPU
+pods (`watch_pods`: the webhooks), the view counts each Reserved booking whose pod exists as Bound and
+dates it by that pod's start (`vramshare.domain.with_its_pod`), whether or not the controller has
+written either yet. Both only make a booking count less conservatively once its pod shows it: a view
+whose pods lag counts the booking as the reservation alone says (pending, not started yet).
+
 **Refusals** are decided on a consistent read (a quorum LIST of both kinds), never on the cache, so a
 pod is not refused on a view that missed released memory or a new GPU. Concurrent refusals share one
 such read, as long as it started after they arrived.
@@ -58,7 +64,7 @@ from dataclasses import dataclass
 
 import structlog
 
-from vramshare.domain import Gpu, LedgerIndex, ReleaseLog, Reservation
+from vramshare.domain import Gpu, LedgerIndex, ReleaseLog, Reservation, with_its_pod
 from vramshare.domain.freshness import InventoryHeartbeat, with_heartbeat
 from vramshare.domain.snapshot import Snapshot
 from vramshare.kube.client import KubeClient, list_all
@@ -67,9 +73,11 @@ from vramshare.kube.objects import GpuDevice, GpuReservation
 from vramshare.kube.resources import (
     ANNOTATION_LEDGER,
     LABEL_ACTIVE,
+    LABEL_RESERVATION,
     devices_path,
     reservations_path,
 )
+from vramshare.kube.sightings import LabelledPod, PodsByLabel
 from vramshare.kube.watch import WatchCache
 
 log = structlog.get_logger("vramshare.ledger")
@@ -95,6 +103,11 @@ def last_commit_version(device: GpuDevice) -> int:
 def _version_of(device: GpuDevice) -> int:
     raw = device.meta.resource_version
     return int(raw) if raw.isdigit() else 0
+
+
+def _label_of(reservation: Reservation) -> tuple[str, str]:
+    """The (namespace, label) the pod of `reservation` carries."""
+    return reservation.namespace, reservation.pod_label or reservation.name
 
 
 def _reservation_key(namespace: str, name: str) -> str:
@@ -124,6 +137,8 @@ class LedgerView:
         on_write: Callable[[str, str], None] = lambda resource, verb: None,
         on_consistent_read: Callable[[], None] = lambda: None,
         heartbeat: HeartbeatSource | None = None,
+        watch_pods: bool = False,
+        pods: PodsByLabel | None = None,
     ) -> None:
         self.kube = kube
         self.heartbeat = heartbeat
@@ -143,8 +158,28 @@ class LedgerView:
             label_selector=ACTIVE,
             name="gpureservations",
         )
+        self.pods: WatchCache[LabelledPod] | None = None
+        """The pods carrying vramshare's reservation label (`watch_pods`), by namespace/name."""
+        self.pods_by_label = pods
+        """Those pods' sightings by label: this view's own (`watch_pods`), or a caller's that follows
+        the pods already (the controller's)."""
+        self._bookings_by_label: dict[tuple[str, str], set[str]] = {}
+        """(namespace, label) -> the keys of the reservations made for the pod carrying it."""
+        if watch_pods and self.pods_by_label is None:
+            by_label = self.pods_by_label = PodsByLabel()
+            self.pods = WatchCache(
+                kube,
+                "/api/v1/pods",
+                decode=LabelledPod.from_wire,
+                label_selector=LABEL_RESERVATION,
+                name="pods",
+            )
+            self.pods.on_change(lambda key, pod, _previous: by_label.changed(key, pod))
+        if self.pods_by_label is not None:
+            self.pods_by_label.on_change(self._recount)
         self.index = LedgerIndex()
-        """The reservations cache summed per GPU, kept in step with every change to it."""
+        """The reservations cache summed per GPU, kept in step with every change to it (and to its
+        bookings' pods, with `watch_pods`)."""
         self.releases = ReleaseLog()
         """Memory freed by pods that ran, lately: when a refused request may expect room."""
         self.reservations.on_change(self._changed)
@@ -169,12 +204,38 @@ class LedgerView:
         self.consistent_reads = 0
         self.catch_up_waits = 0
 
-    def _changed(self, key: str, reservation: Reservation | None, _previous: Reservation | None) -> None:
+    def _changed(self, key: str, reservation: Reservation | None, previous: Reservation | None) -> None:
+        if self.pods_by_label is not None:
+            if previous is not None:
+                keys = self._bookings_by_label.get(_label_of(previous))
+                if keys is not None:
+                    keys.discard(key)
+                    if not keys:
+                        del self._bookings_by_label[_label_of(previous)]
+            if reservation is not None:
+                self._bookings_by_label.setdefault(_label_of(reservation), set()).add(key)
+        self._index_put(key, reservation)
+
+    def _index_put(self, key: str, reservation: Reservation | None) -> None:
         before = self.index.get(key)
-        self.index.put(key, reservation)
+        self.index.put(key, self.as_seen(reservation) if reservation is not None else None)
         ended = reservation is None or not reservation.is_active
         if ended and before is not None and before.pod_running_since is not None:
             self.releases.add(at=self.clock(), gpu_uuid=before.gpu_uuid, mib=before.mib)
+
+    def as_seen(self, reservation: Reservation) -> Reservation:
+        """`reservation` as its pod shows it (see the module docstring); as it is without the pods."""
+        if self.pods_by_label is None:
+            return reservation
+        pods = self.pods_by_label.of(*_label_of(reservation))
+        return with_its_pod(reservation, pods) if pods else reservation
+
+    def _recount(self, label: tuple[str, str]) -> None:
+        """Put the bookings made for the pod carrying `label` into the index again, as its pods show them."""
+        for key in self._bookings_by_label.get(label, ()):
+            reservation = self.reservations.items.get(key)
+            if reservation is not None:
+                self._index_put(key, reservation)
 
     def _device_changed(self, key: str, device: GpuDevice | None, _previous: GpuDevice | None) -> None:
         self._view_gpus = None
@@ -197,7 +258,10 @@ class LedgerView:
 
     async def run(self) -> None:
         """Keep both caches fed until cancelled."""
-        await asyncio.gather(self.devices.run(), self.reservations.run())
+        runs = [self.devices.run(), self.reservations.run()]
+        if self.pods is not None:
+            runs.append(self.pods.run())
+        await asyncio.gather(*runs)
 
     @property
     def synced(self) -> bool:
@@ -295,7 +359,10 @@ class LedgerView:
                 gpus.append(with_heartbeat(gpu, heartbeat))
                 tokens[gpu.uuid] = device.ledger_token
                 self._remember_mark(device)
-        reservations = tuple(GpuReservation.from_wire(o).to_domain() for o in listed.get("items", []))
+        # Dated by the pods as this view last saw them: a pod's start never changes once it is known.
+        reservations = tuple(
+            self.as_seen(GpuReservation.from_wire(o).to_domain()) for o in listed.get("items", [])
+        )
         # This process's reservations decided but not yet created count too.
         listed_names = {(r.namespace, r.name) for r in reservations}
         pending = tuple(

@@ -235,12 +235,14 @@ class GpuReservation:
 
     @cached_property  # an immutable object read on every poll and sweep (10 000 of them, issue #31)
     def phase(self) -> ReservationPhase:
-        """The recorded phase; none yet means just Reserved (Queued without a GPU). A queue entry the
+        """The recorded phase; none yet (or the CRD's default, Reserved) means just Reserved (Queued
+        without a GPU, Held for a hold). A queue entry the
         controller has placed is Reserved from the moment its spec names the GPU, and one whose
         placement was withdrawn is Queued again, whatever its status last said (Bound, if its pod was
         seen while it was placed)."""
         recorded = self.status.phase
-        if recorded is None and self.held_for:
+        # Reserved is also what the API server shows where nothing was written (the CRD's default).
+        if recorded in (None, ReservationPhase.RESERVED) and self.held_for:
             return ReservationPhase.HELD
         if recorded is None or recorded is ReservationPhase.QUEUED:
             return ReservationPhase.RESERVED if self.spec.placed else ReservationPhase.QUEUED
