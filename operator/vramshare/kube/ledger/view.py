@@ -234,7 +234,9 @@ class LedgerView:
         """Put the bookings made for the pod carrying `label` into the index again, as its pods show them."""
         for key in self._bookings_by_label.get(label, ()):
             reservation = self.reservations.items.get(key)
-            if reservation is not None:
+            # Most pod events (scheduled, a condition, a container's state) change nothing the ledger
+            # counts; putting the booking again would drop its GPU's remembered figures for nothing.
+            if reservation is not None and self.index.get(key) != self.as_seen(reservation):
                 self._index_put(key, reservation)
 
     def _device_changed(self, key: str, device: GpuDevice | None, _previous: GpuDevice | None) -> None:
