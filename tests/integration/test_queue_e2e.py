@@ -501,7 +501,7 @@ def holds(stack: LocalCluster) -> list[dict[str, Any]]:
         for r in reservations(stack).values()
         if "vramshare.io/held-for" in r["metadata"]["labels"]
         and "vramshare.io/queued" not in r["metadata"]["labels"]
-        and phase(r) in (None, "Held")
+        and phase(r) in (None, "Reserved", "Held")  # Reserved: the CRD's default, nothing written yet
     ]
 
 
