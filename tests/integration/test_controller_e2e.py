@@ -208,6 +208,60 @@ def test_a_pod_deleted_at_once_releases_its_booking_at_once(
     assert never == []
 
 
+def test_a_running_pods_booking_counts_from_its_start_with_nothing_written(
+    stack: LocalCluster, core: client.CoreV1Api
+) -> None:
+    """Issue #45: nothing writes a booking when its pod starts, yet its memory must count once: as
+    not yet seen until `settle_s` (2 s here) after the start, then as the used memory DCGM shows. The
+    webhook reads the start from its pod watch, the controller from its own. Node a's two A100s (40448
+    MiB each for applications, margin 512): one filled by a booking, the other running a 30 000 MiB pod
+    whose memory shows as used. 9936 MiB then fit beside it only if that pod's booking is not counted
+    twice (as booked and not seen yet, and as used)."""
+    a100s = [g.uuid for n, g in stack.settings.fleet.all_gpus() if n.name == "gpu-node-a"]
+    filler = eventually(
+        lambda: _try_create(core, gpu_pod("fills-one", 39_936, node="gpu-node-a")),
+        what="a whole A100 booked (the bookings of earlier tests ended)",
+        timeout_s=20,
+    )
+    runner = core.create_namespaced_pod("jobs", gpu_pod("uses-30000", 30_000, node="gpu-node-a"))
+    uuid = runner.metadata.annotations[ANNOTATION_GPU_UUID]
+    assert {filler.metadata.annotations[ANNOTATION_GPU_UUID], uuid} == set(a100s)
+    booking = runner.metadata.annotations[ANNOTATION_RESERVATION]
+    try:
+        eventually(lambda: shown_phase_of(stack.kubectl, "jobs", booking) == "Bound", what="running")
+        stack.exporter.set_used(uuid, 30_000)
+        # The webhook decides on the same GpuDevice: once it shows the pod's memory used, the pod's
+        # booking may no longer also count as not seen yet (it started more than 2 s before).
+        eventually(lambda: devices(stack)[uuid]["status"]["usedMiB"] == 30_000, what="the memory used")
+        beside = eventually(
+            lambda: _try_create(core, gpu_pod("fits-beside", 9_936, node="gpu-node-a")),
+            what="9936 MiB admitted beside the settled pod",
+            timeout_s=20,
+        )
+        assert beside.metadata.annotations[ANNOTATION_GPU_UUID] == uuid
+        # The controller's figures agree: the pod's memory counted once, as used.
+        eventually(
+            lambda: devices(stack)[uuid]["status"]["headroomMiB"] == 0,
+            what="the controller's headroom: 40448 - 30000 used - 9936 booked - 512",
+            timeout_s=20,
+        )
+        assert reservation(stack, booking)["status"] == {"phase": "Reserved"}  # nothing written
+    finally:
+        stack.exporter.set_used(uuid, 0)
+        for name in ("fills-one", "uses-30000", "fits-beside"):
+            core.delete_namespaced_pod(name, "jobs", grace_period_seconds=0)
+
+
+def _try_create(core: client.CoreV1Api, pod: client.V1Pod) -> client.V1Pod | None:
+    """The pod created, or None where vramshare refused it (403: no room yet)."""
+    try:
+        return core.create_namespaced_pod("jobs", pod)
+    except client.ApiException as refused:
+        if refused.status != 403:
+            raise
+        return None
+
+
 def test_orphan_reservation_expires_after_the_ttl(stack: LocalCluster) -> None:
     _, gpu = stack.settings.fleet.all_gpus()[1]
     orphan = bare_booking(
