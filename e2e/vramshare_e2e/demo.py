@@ -128,12 +128,24 @@ class Demo:
         return status_view.from_objects(devices, reservations, now=time.time(), pods=pods)
 
     def simulate_usage(self) -> None:
-        """Fake GPUs use what their running pods booked (90% of it), as real tasks would."""
+        """Fake GPUs use what their running pods booked (90% of it), as real tasks would: only once a
+        pod's container started (a booking is Bound from the moment its pod exists, before it runs)."""
         current = self.status()
+        listed = self.core.list_pod_for_all_namespaces(
+            label_selector=LABEL_RESERVATION, field_selector="status.phase=Running", _preload_content=False
+        )
+        running = {
+            (p["metadata"]["namespace"], p["metadata"]["labels"][LABEL_RESERVATION])
+            for p in json.loads(listed.data)["items"]
+        }
         for gpu in current.gpus:
             if gpu.state == "Missing":
                 continue
-            booked = sum(r.mib for r in current.reservations if r.gpu_uuid == gpu.uuid and r.phase == "Bound")
+            booked = sum(
+                r.mib
+                for r in current.reservations
+                if r.gpu_uuid == gpu.uuid and r.phase == "Bound" and (r.namespace, r.name) in running
+            )
             self.cluster.exporter.set_used(gpu.uuid, int(booked * 0.9))
 
     def _settled(self) -> bool:
