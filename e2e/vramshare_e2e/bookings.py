@@ -10,7 +10,7 @@ from typing import Any
 
 from vramshare.kube.objects import GpuReservation
 from vramshare.kube.resources import LABEL_RESERVATION
-from vramshare.kube.sightings import LabelledPod
+from vramshare.kube.sightings import PodsByLabel
 from vramshare.status import shown_phase
 
 GONE = "gone"
@@ -25,15 +25,11 @@ def shown_phases(kubectl: Callable[..., str], namespace: str) -> dict[str, str]:
 
 def phases_of(bookings: list[dict[str, Any]], pods: list[dict[str, Any]]) -> dict[tuple[str, str], str]:
     """Each booking by (namespace, name), with the phase `vramshare status` shows, from the objects."""
-    by_label: dict[tuple[str, str], list[Any]] = {}
-    for pod in (LabelledPod.from_wire(p) for p in pods if p["metadata"].get("uid")):
-        by_label.setdefault((pod.namespace, pod.label), []).append(pod.sighting)
-    out = {}
-    for res in (GpuReservation.from_wire(b) for b in bookings):
-        out[(res.namespace, res.name)] = shown_phase(
-            res, by_label.get((res.namespace, res.pod_label), [])
-        ).value
-    return out
+    by_label = PodsByLabel.of_pods(pods)
+    return {
+        (res.namespace, res.name): shown_phase(res, by_label.of(res.namespace, res.pod_label)).value
+        for res in (GpuReservation.from_wire(b) for b in bookings)
+    }
 
 
 def shown_phase_of(kubectl: Callable[..., str], namespace: str, name: str) -> str:

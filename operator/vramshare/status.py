@@ -13,6 +13,7 @@ import json
 import signal
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -31,7 +32,7 @@ from vramshare.kube.resources import (
     pods_path,
     reservations_path,
 )
-from vramshare.kube.sightings import LabelledPod
+from vramshare.kube.sightings import PodsByLabel
 
 BAR_WIDTH = 24
 
@@ -92,9 +93,7 @@ def from_objects(
     change, as the webhook does; see vramshare.domain.freshness). `pods`: the pods carrying vramshare's
     reservation label, if this user may list them: a booking whose pod exists is shown Bound
     (`shown_phase`); without them, phases as written."""
-    by_label: dict[tuple[str, str], list[PodSighting]] = {}
-    for pod in (LabelledPod.from_wire(p) for p in pods or []):
-        by_label.setdefault((pod.namespace, pod.label), []).append(pod.sighting)
+    by_label = PodsByLabel.of_pods(pods or [])
     gpus = []
     for device in (GpuDevice.from_wire(d) for d in devices):
         st = device.status
@@ -126,10 +125,10 @@ def from_objects(
         if res.spec.gpu_count > 1:
             sets.setdefault((res.namespace, res.pod_label), []).append(res)
             continue
-        rows.append(_row(res, now=now, pods=by_label.get((res.namespace, res.pod_label), [])))
+        rows.append(_row(res, now=now, pods=by_label.of(res.namespace, res.pod_label)))
     for members in sets.values():
         members.sort(key=lambda r: (r.name != r.pod_label, r.spec.gpu_index, r.name))
-        first = _row(members[0], now=now, pods=by_label.get((members[0].namespace, members[0].pod_label), []))
+        first = _row(members[0], now=now, pods=by_label.of(members[0].namespace, members[0].pod_label))
         more = tuple((m.spec.gpu_uuid, m.spec.gpu_index) for m in members[1:])
         rows.append(replace(first, more_gpus=more))
     gpus.sort(key=lambda g: (g.node, g.index, g.uuid))
@@ -150,14 +149,14 @@ _BOOKING_FIELDS = ("namespace", "name", "pod", "mib", "node", "gpu_uuid", "gpu_i
 """What a row shows of the booking, read from the domain's view of it (`GpuReservation.to_domain`)."""
 
 
-def shown_phase(res: GpuReservation, pods: list[PodSighting]) -> ReservationPhase:
+def shown_phase(res: GpuReservation, pods: Iterable[PodSighting]) -> ReservationPhase:
     """The phase people are shown: as written, but Bound where the booking's pod exists (among `pods`,
     those carrying its label) though nothing wrote it: the controller writes nothing when a booking's
     pod appears or starts (issue #45), so its object says Reserved until the booking ends."""
     return with_its_pod(res.to_domain(), pods).phase
 
 
-def _row(res: GpuReservation, *, now: float, pods: list[PodSighting]) -> ReservationRow:
+def _row(res: GpuReservation, *, now: float, pods: Iterable[PodSighting]) -> ReservationRow:
     booking = replace(res.to_domain(), phase=shown_phase(res, pods))
     return ReservationRow(
         **{f: getattr(booking, f) for f in _BOOKING_FIELDS},

@@ -79,6 +79,16 @@ class PodsByLabel:
         self._by_label: dict[tuple[str, str], dict[str, PodSighting]] = {}
         self._listeners: list[Callable[[tuple[str, str]], None]] = []
 
+    @classmethod
+    def of_pods(cls, pods: Iterable[Obj]) -> PodsByLabel:
+        """From pods as listed (those without a UID, not created yet, left out)."""
+        grouped = cls()
+        for pod in pods:
+            meta = pod["metadata"]
+            if meta.get("uid"):
+                grouped.changed(f"{meta.get('namespace', '')}/{meta['name']}", LabelledPod.from_wire(pod))
+        return grouped
+
     def on_change(self, listener: Callable[[tuple[str, str]], None]) -> None:
         self._listeners.append(listener)
 

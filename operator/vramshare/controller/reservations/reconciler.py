@@ -1,14 +1,6 @@
 """The reservation reconciler: applies the lifecycle's plan (`plan`) to each GpuReservation, for every
-booking on a sweep, and at once for a pod event or when a booking's wait runs out (`timers`).
-
-**A booking whose pod exists is bound in memory, not in writing** (issue #45). The status write that
-recorded it (phase Bound, the pod's UID and start) was one API write per admitted pod, and every reader
-can see the same from the pod: the webhooks count a booking from its pod's start through their own pod
-watch (`vramshare.domain.with_its_pod`), and this reconciler pins the pod's UID in memory the first time
-it sees the pod (`_pins`) and plans from the booking as bound (`_as_bound`). The booking's written phase
-stays Reserved (the CRD's default) until something is written anyway: its end (Released, with the pod's
-UID and start), or its GPU going missing (Lost). After a restart or a failover the pins are rebuilt from
-the pods as the sweep finds them: the earliest pod that `belongs` to each booking, as before a bind."""
+booking on a sweep, and at once for a pod event or when a booking's wait runs out (`timers`). Which pod
+each booking is bound to is kept in memory (`pins`)."""
 
 from __future__ import annotations
 
@@ -20,6 +12,7 @@ from dataclasses import replace
 import structlog
 
 from vramshare.controller.metrics import ControllerMetrics
+from vramshare.controller.reservations.pins import Pins
 from vramshare.controller.reservations.plan import ABSENCE, KUBELET_KILL_S, Plan, plan, pod_sighting
 from vramshare.controller.reservations.timers import Checks, KeyedTimers
 from vramshare.controller.reservations.wording import (
@@ -34,7 +27,6 @@ from vramshare.controller.settings import ControllerSettings
 from vramshare.controller.state import ClusterState
 from vramshare.domain import (
     PodSighting,
-    PodState,
     ReservationPhase,
     genuine_pod,
 )
@@ -94,8 +86,7 @@ class ReservationReconciler:
         in memory: after a failover the new leader releases such a booking at its first look."""
         self._stuck: dict[str, str] = {}
         """Reservation key -> UID of its pod that has been unschedulable too long (warned once)."""
-        self._pins: dict[str, str] = {}
-        """Reservation key -> the UID of its pod, pinned when first seen (see the module docstring)."""
+        self._pins = Pins(on_bound=self._bound_now)
         self.watching_since = clock()
         """When this reconciler started: a booking older than this whose pod it never saw may have had
         one that came and went unwatched."""
@@ -131,8 +122,7 @@ class ReservationReconciler:
         self._announced = {note for note in self._announced if note[0] in keys}
         for key in self._running_until.keys() - keys:
             del self._running_until[key]
-        for key in self._pins.keys() - keys:
-            del self._pins[key]
+        self._pins.keep_only(keys)
         gone = self._stuck.keys() - keys  # deleted with their pod
         if gone:
             for key in gone:
@@ -187,9 +177,11 @@ class ReservationReconciler:
             members = [GpuReservation.from_wire(o) for o in listed.get("items", [])]
         sighting = pod_sighting(pod)
         for member in members:
-            if not belongs(member.to_domain(), sighting, bound_uid=self._pinned(member)):
+            if not belongs(member.to_domain(), sighting, bound_uid=self._pins.uid_of(member)):
                 if not deleted:
-                    await self._announce_impostor(self._as_bound(member, None), sighting, now=self.clock())
+                    await self._announce_impostor(
+                        self._pins.as_bound(member, None), sighting, now=self.clock()
+                    )
                 continue  # another pod's event says nothing about this reservation's own pod
             if deleted and sighting.forced_grace_s is not None:
                 # Gone while its containers ran (a force delete): the kubelet still gives them their
@@ -217,7 +209,9 @@ class ReservationReconciler:
             return
         if not res.labelled_active:
             return
-        waiting = res.phase in (ReservationPhase.RESERVED, ReservationPhase.QUEUED) and not self._pinned(res)
+        waiting = res.phase in (ReservationPhase.RESERVED, ReservationPhase.QUEUED) and not self._pins.uid_of(
+            res
+        )
         if not waiting or key in self._deadlines:
             if not waiting:
                 self._deadlines.cancel(key)
@@ -298,8 +292,8 @@ class ReservationReconciler:
         after a direct read of the pods carrying its label agrees."""
         now = self.clock()
         sightings = [pod_sighting(p) for p in labelled if p["metadata"].get("uid")]
-        pod, impostors = genuine_pod(res.to_domain(), sightings, bound_uid=self._pinned(res))
-        res = self._as_bound(res, pod)
+        pod, impostors = genuine_pod(res.to_domain(), sightings, bound_uid=self._pins.uid_of(res))
+        res = self._pins.as_bound(res, pod)
         for impostor in impostors:
             await self._announce_impostor(res, impostor, now=now)
         await self._check_schedulable(res, pod, now=now)
@@ -358,40 +352,11 @@ class ReservationReconciler:
 
     def bound_pod(self, key: str) -> str | None:
         """The UID of the pod the booking `key` (namespace/name) is bound to in memory, if any."""
-        return self._pins.get(key)
+        return self._pins.of(key)
 
-    def _pinned(self, res: GpuReservation) -> str | None:
-        """The UID of the pod `res` belongs to, as written (a queue entry's, or a booking's once it
-        ended or was lost) or pinned here; None while none was seen."""
-        return res.status.pod_uid or self._pins.get(res.key)
-
-    def _as_bound(self, res: GpuReservation, pod: PodSighting | None) -> GpuReservation:
-        """`res` as the plan is to see it: a Reserved booking whose pod exists (or was pinned here) is
-        Bound to that pod from its start, without a write (see the module docstring)."""
-        if res.phase is not ReservationPhase.RESERVED or res.queue_entry:
-            # A queue entry's placement is written anyway (its status still says Queued): Bound is
-            # that write, as before.
-            return res
-        if pod is not None and pod.state is PodState.ACTIVE and self._pins.get(res.key) != pod.uid:
-            if res.key not in self._pins:  # bound now, in memory: counted as the write was
-                self.metrics.transitions.labels(ReservationPhase.BOUND.value, "PodBound").inc()
-            self._pins[res.key] = pod.uid
-            self._deadlines.cancel((res.namespace, res.name))  # its pod came: no TTL to watch
-        uid = self._pinned(res)
-        if uid is None or (pod is not None and pod.uid != uid):
-            return res
-        started = res.status.pod_running_since
-        if started is None and pod is not None:
-            started = pod.running_since
-        bound = replace(
-            res.status,
-            phase=ReservationPhase.BOUND,
-            reason="PodBound",
-            message="its pod exists",
-            pod_uid=uid,
-            pod_running_since=started,
-        )
-        return replace(res, status=bound)
+    def _bound_now(self, res: GpuReservation) -> None:
+        self.metrics.transitions.labels(ReservationPhase.BOUND.value, "PodBound").inc()  # as the write was
+        self._deadlines.cancel((res.namespace, res.name))  # its pod came: no TTL to watch
 
     def _late_on_a_full_gpu(self, res: GpuReservation, the_plan: Plan) -> Plan:
         """A pod that appeared after its booking expired counts again, whatever its GPU holds since: it
