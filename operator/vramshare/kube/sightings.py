@@ -98,7 +98,12 @@ class PodsByLabel:
         return pods.values() if pods else ()
 
     def changed(self, key: str, pod: LabelledPod | None) -> None:
-        """The pod at `key` (namespace/name) is now `pod` (None: gone, or no longer labelled)."""
+        """The pod at `key` (namespace/name) is now `pod` (None: gone, or no longer labelled). Listeners
+        hear of it only when its sighting changed: most of a pod's events (its binding to the node,
+        conditions, a deletion starting) change nothing a sighting holds, and every listener would
+        count its label's bookings again for nothing (issue #45)."""
+        if pod is not None and self._pods.get(key) == pod:
+            return
         before = self._pods.pop(key, None)
         if before is not None:
             label = (before.namespace, before.label)

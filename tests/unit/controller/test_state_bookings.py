@@ -66,3 +66,20 @@ def test_pods_by_label_follows_a_pod_whose_label_changes() -> None:
     pods.changed("jobs/p", None)
     assert list(pods.of("jobs", "b")) == []
     assert heard == [("jobs", "a"), ("jobs", "a"), ("jobs", "b"), ("jobs", "b")]
+
+
+def test_pods_by_label_tells_only_of_a_changed_sighting() -> None:
+    """A pod's binding, its conditions, a deletion starting: events that change nothing a sighting
+    holds reach no listener (each would count its label's bookings again for nothing)."""
+    heard: list[tuple[str, str]] = []
+    pods = PodsByLabel()
+    pods.on_change(heard.append)
+    pods.changed("jobs/p", LabelledPod.from_wire(pod("p")))
+    bound = pod("p")
+    bound["spec"] = {"nodeName": "gpu-node-a"}
+    bound["status"]["conditions"] = [{"type": "PodScheduled", "status": "True"}]
+    pods.changed("jobs/p", LabelledPod.from_wire(bound))
+    assert heard == [("jobs", "task-ab12")]
+    pods.changed("jobs/p", LabelledPod.from_wire(pod("p", started=NOW + 2)))
+    assert heard == [("jobs", "task-ab12")] * 2
+    assert [p.running_since for p in pods.of("jobs", "task-ab12")] == [NOW + 2]
