@@ -76,6 +76,9 @@ class WatchCache(Generic[T]):
         """Items this process `put` without a resourceVersion (decided, not created yet)."""
         self.stale_events = 0
         """Events that were older than the item already held (and so not applied)."""
+        self.echoes = 0
+        """Events of the very version already held: this process's own write, `put` from the API
+        server's answer before its event came (not decoded or told again)."""
         self.resource_version = 0
         """Every event up to this resourceVersion is applied (advanced by the stream only)."""
         self.synced = asyncio.Event()
@@ -187,8 +190,14 @@ class WatchCache(Generic[T]):
                 )
             if kind in ("ADDED", "MODIFIED"):
                 key = key_of(obj)
-                if version(obj) and version(obj) < self._versions.get(key, 0):
+                held = self._versions.get(key, 0)
+                if version(obj) and version(obj) < held:
                     self.stale_events += 1  # older than this process's own write of it
+                elif version(obj) and version(obj) == held and key in self.items:
+                    # A resourceVersion names one state of the object: the one this process wrote and
+                    # put already. The webhooks' own bookings and token bumps came back as events and
+                    # were decoded and counted again (issue #45).
+                    self.echoes += 1
                 else:
                     item = self.decode(obj)
                     previous = self.items.get(key)

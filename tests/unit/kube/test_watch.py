@@ -60,3 +60,36 @@ async def test_a_broken_stream_resumes_and_a_410_lists_again() -> None:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+
+
+async def test_the_echo_of_this_processs_own_write_is_not_decoded_or_told_again() -> None:
+    """The API server's answer to a write is put at once; the same version's event, when it comes, is
+    that very object: decoding it and telling the listeners again (the ledger index) was work for
+    nothing. A later version of it is applied as usual."""
+    kube = FakeKube()
+    decoded: list[str] = []
+
+    def decode(obj: Obj) -> str:
+        decoded.append(name(obj))
+        return f"{name(obj)}@{obj['metadata']['resourceVersion']}"
+
+    cache: WatchCache[str] = WatchCache(kube, PATH, decode=decode)  # type: ignore[arg-type]
+    told: list[str | None] = []
+    cache.on_change(lambda _key, item, _before: told.append(item))
+    task = asyncio.create_task(cache.run())
+    try:
+        await asyncio.wait_for(cache.synced.wait(), 2)
+        written = await kube.create(PATH, {"metadata": {"name": "mine"}})
+        version = written["metadata"]["resourceVersion"]
+        cache.put("/mine", f"mine@{version}", resource_version=version)
+        await kube.create(PATH, {"metadata": {"name": "theirs"}})
+        assert await cache.wait_for(kube.version, timeout_s=2)
+        assert (decoded, cache.echoes) == (["theirs"], 1)
+        assert told == [f"mine@{version}", f"theirs@{kube.version}"]
+        changed = await kube.merge_patch(f"{PATH}/mine", {"metadata": {"labels": {"a": "b"}}})
+        assert await cache.wait_for(kube.version, timeout_s=2)
+        assert cache.items["/mine"] == f"mine@{changed['metadata']['resourceVersion']}"
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
