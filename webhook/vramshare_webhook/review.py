@@ -74,7 +74,7 @@ def decode(body: bytes, *, content_type: str) -> Request:
         raise BadRequestError("empty body: expected an AdmissionReview")
     if len(body) > MAX_BODY_BYTES:
         raise BadRequestError(f"body of {len(body)} bytes exceeds the {MAX_BODY_BYTES} byte limit")
-    if nesting_depth(body) > MAX_DEPTH:  # before parsing: Python's parser recurses
+    if nests_deeper_than(body, MAX_DEPTH):  # before parsing: Python's parser recurses
         raise BadRequestError(f"body nests more than {MAX_DEPTH} levels deep")
     try:
         review = json.loads(body)
@@ -121,6 +121,14 @@ code walks them (and before Python's recursion limit turns one into an internal 
 _JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
 _BRACKETS = bytes.maketrans(b"[{]}", b"\x01\x01\xff\xff")
 _NOT_BRACKETS = bytes(set(range(256)) - set(b"[]{}"))
+
+
+def nests_deeper_than(body: bytes, limit: int) -> bool:
+    """Whether the JSON text nests deeper than `limit`. No deeper than it has brackets that open: most
+    pods' reviews have fewer than the limit, and counting them is a tenth of `nesting_depth`'s cost."""
+    if body.count(b"[") + body.count(b"{") <= limit:
+        return False
+    return nesting_depth(body) > limit
 
 
 def nesting_depth(body: bytes) -> int:

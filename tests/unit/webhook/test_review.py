@@ -7,6 +7,7 @@ import json
 
 import pytest
 from hypothesis import given
+from hypothesis import strategies as st
 
 from tests import hostile_reviews
 from vramshare_webhook import review as rv
@@ -94,3 +95,10 @@ def _depth(value: object) -> int:
 def test_nesting_depth_counts_arrays_and_objects_not_brackets_in_strings(value: object) -> None:
     assert rv.nesting_depth(json.dumps(value).encode()) == _depth(value)
     assert rv.nesting_depth(json.dumps({"s": '[[{\\"', "v": value}).encode()) == 1 + _depth(value)
+
+
+@pytest.mark.slow
+@given(value=hostile_reviews.json_values, limit=st.integers(min_value=0, max_value=12))
+def test_nests_deeper_than_agrees_with_the_depth(value: object, limit: int) -> None:
+    body = json.dumps({"s": "[{" * limit, "v": value}).encode()
+    assert rv.nests_deeper_than(body, limit) == (rv.nesting_depth(body) > limit)
