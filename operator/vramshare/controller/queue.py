@@ -118,12 +118,17 @@ class QueueLoop:
     def _seen(self, key: str, res: GpuReservation | None, _previous: GpuReservation | None) -> None:
         if res is not None and res.queue_entry:
             self._entries[key] = res
-        else:
-            self._entries.pop(key, None)
+            self._wake.set()
+        elif self._entries.pop(key, None) is not None:
+            self._wake.set()
 
     def wake(self) -> None:
-        """Something changed (a pod ended, a reservation was released or queued): plan again now."""
-        self._wake.set()
+        """Something changed (a pod ended, a reservation was released or queued): plan again now. With
+        no queue (no entry, no hold kept for a head) a pass has nothing to do, and every pod and booking
+        event of the cluster woke one for nothing (issue #45); an entry coming or going wakes it itself
+        (`_seen`), and the periodic pass runs regardless."""
+        if self._entries or self.hold is not None:
+            self._wake.set()
 
     async def run(self) -> None:
         while True:

@@ -95,3 +95,24 @@ async def test_with_every_position_shown_a_placement_rewrites_the_whole_queue() 
             await queue_of(kube, rest), {f"jobs/{n}": i + 1 for i, n in enumerate(rest)}, now=1.0
         )
         assert status_writes(kube) - before == WAITING - 1
+
+
+async def test_with_no_queue_a_wake_plans_nothing_and_an_entry_wakes_it_itself() -> None:
+    """Every pod and booking event of the cluster woke a pass; with no queue a pass has nothing to do
+    (issue #45). A queue entry coming, or going, wakes the pass on its own."""
+    kube = FakeKube()
+    async with fed_state(kube) as state:
+        queue = loop(kube, state, shown=10)
+        queue.wake()
+        assert not queue._wake.is_set()
+        entry = GpuReservation.queued(name="task", namespace="jobs", pod="task", mib=4096, admission_uid="u")
+        await kube.create(reservations_path("jobs"), entry.to_wire())
+        assert await state.reservations.wait_for(kube.version, timeout_s=2)
+        assert queue._wake.is_set()
+        queue._wake.clear()
+        queue.wake()
+        assert queue._wake.is_set()
+        queue._wake.clear()
+        await kube.delete(reservations_path("jobs", "task"))
+        assert await state.reservations.wait_for(kube.version, timeout_s=2)
+        assert queue._wake.is_set()
