@@ -1,6 +1,6 @@
 """The reservation reconciler: applies the lifecycle's plan (`plan`) to each GpuReservation, for every
 booking on a sweep, and at once for a pod event or when a booking's wait runs out (`timers`). Which pod
-each booking is bound to is kept in memory (`pins`)."""
+each booking is bound to is kept in memory (`pins`); what it tells people, once, is in `notices`."""
 
 from __future__ import annotations
 
@@ -12,16 +12,14 @@ from dataclasses import replace
 import structlog
 
 from vramshare.controller.metrics import ControllerMetrics
+from vramshare.controller.reservations.notices import Notices
 from vramshare.controller.reservations.pins import Pins
 from vramshare.controller.reservations.plan import ABSENCE, KUBELET_KILL_S, Plan, plan, pod_sighting
 from vramshare.controller.reservations.timers import Checks, KeyedTimers
 from vramshare.controller.reservations.wording import (
     booked_past_capacity_note,
-    deletion_waits,
     involving,
-    not_yours,
     on_pod,
-    unschedulable,
 )
 from vramshare.controller.settings import ControllerSettings
 from vramshare.controller.state import ClusterState
@@ -32,10 +30,9 @@ from vramshare.domain import (
 )
 from vramshare.domain.headroom import booked_past_capacity
 from vramshare.domain.inventory import GpuPresence
-from vramshare.domain.lifecycle import EndedRecord, belongs, records_past_bound, stuck_unschedulable
+from vramshare.domain.lifecycle import EndedRecord, belongs, records_past_bound
 from vramshare.kube.client import ApiError, KubeClient, Obj
 from vramshare.kube.conditional import read_reservation
-from vramshare.kube.events import Event, Involved, post_event
 from vramshare.kube.objects import (
     GpuReservation,
     remove_finalizer,
@@ -76,16 +73,13 @@ class ReservationReconciler:
         self._binds = KeyedTimers()
         """Bookings whose binding waits for their pod to run, with the look due when it waits no more."""
         self._checks = Checks()
-        self._announced: set[tuple[str, str]] = set()
-        """(reservation, impostor pod UID) pairs already reported, so each gets one event."""
         self._releases = KeyedTimers()
         """Bookings whose pod was force-deleted while it ran, with the look due when the kubelet has
         killed its containers."""
         self._running_until: dict[str, float] = {}
         """Reservation key -> when the containers of its force-deleted pod are gone at the latest. Kept
         in memory: after a failover the new leader releases such a booking at its first look."""
-        self._stuck: dict[str, str] = {}
-        """Reservation key -> UID of its pod that has been unschedulable too long (warned once)."""
+        self._notices = Notices(kube=kube, settings=settings, metrics=metrics)
         self._pins = Pins(on_bound=self._bound_now)
         self.watching_since = clock()
         """When this reconciler started: a booking older than this whose pod it never saw may have had
@@ -118,16 +112,10 @@ class ReservationReconciler:
         # From the caches as the loop above left them (its writes are in them), not from `current`.
         await self._trim_never_created(list(self.state.reservations.items.values()))
         keys = {r.key for r in current}
-        # Said-once notes of reservations that no longer exist are forgotten.
-        self._announced = {note for note in self._announced if note[0] in keys}
         for key in self._running_until.keys() - keys:
             del self._running_until[key]
         self._pins.keep_only(keys)
-        gone = self._stuck.keys() - keys  # deleted with their pod
-        if gone:
-            for key in gone:
-                del self._stuck[key]
-            self.metrics.unschedulable_pods.set(len(set(self._stuck.values())))
+        self._notices.keep_only(keys)
         return changed
 
     async def _trim_never_created(self, current: list[GpuReservation]) -> None:
@@ -179,7 +167,7 @@ class ReservationReconciler:
         for member in members:
             if not belongs(member.to_domain(), sighting, bound_uid=self._pins.uid_of(member)):
                 if not deleted:
-                    await self._announce_impostor(
+                    await self._notices.impostor(
                         self._pins.as_bound(member, None), sighting, now=self.clock()
                     )
                 continue  # another pod's event says nothing about this reservation's own pod
@@ -295,8 +283,8 @@ class ReservationReconciler:
         pod, impostors = genuine_pod(res.to_domain(), sightings, bound_uid=self._pins.uid_of(res))
         res = self._pins.as_bound(res, pod)
         for impostor in impostors:
-            await self._announce_impostor(res, impostor, now=now)
-        await self._check_schedulable(res, pod, now=now)
+            await self._notices.impostor(res, impostor, now=now)
+        await self._notices.if_unschedulable(res, pod, now=now)
         the_plan = plan(
             res=res,
             pod=pod,
@@ -318,7 +306,7 @@ class ReservationReconciler:
         elif the_plan.transition is not None:
             self._running_until.pop(res.key, None)
         if the_plan.deletion_waits:
-            await self._announce_deletion_wait(res, pod, now=now)
+            await self._notices.deletion_wait(res, pod, now=now)
         if the_plan.empty:
             return False
         if the_plan.transition is not None and the_plan.transition.reason == "PodAppearedLate":
@@ -388,45 +376,6 @@ class ReservationReconciler:
             the_plan, event=booked_past_capacity_note(the_plan.event, gpu_label=gpu.label, over_mib=over)
         )
 
-    async def _check_schedulable(self, res: GpuReservation, pod: PodSighting | None, *, now: float) -> None:
-        """Warn once (event and gauge) when a booking's pod stays unschedulable: its memory is held for
-        a pod that does not run."""
-        after_s = self.settings.unschedulable_warning_s
-        if pod is None or not stuck_unschedulable(res.phase, pod, now=now, after_s=after_s):
-            if self._stuck.pop(res.key, None) is not None:
-                self.metrics.unschedulable_pods.set(len(set(self._stuck.values())))
-            return
-        if self._stuck.get(res.key) == pod.uid:
-            return
-        told = pod.uid in self._stuck.values()  # a pod with several GPUs is warned about once
-        self._stuck[res.key] = pod.uid
-        self.metrics.unschedulable_pods.set(len(set(self._stuck.values())))
-        if told:
-            return
-        log.warning("booked pod unschedulable", reservation=res.key, pod=pod.name, node=res.spec.node_name)
-        await self._post(res, on_pod(res, pod), unschedulable(res, pod, after_s=after_s), now=now)
-
-    async def _announce_deletion_wait(
-        self, res: GpuReservation, pod: PodSighting | None, *, now: float
-    ) -> None:
-        """Say once why a deleted GpuReservation (and so its namespace, if that is being deleted) is
-        still there: its pod may still hold the memory."""
-        key = (res.key, "deletion")
-        if key in self._announced:
-            return
-        self._announced.add(key)
-        log.info("deleted booking waits for its pod", reservation=res.key, pod=pod.name if pod else None)
-        await self._post(res, involving(res), deletion_waits(res, pod), now=now)
-
-    async def _announce_impostor(self, res: GpuReservation, impostor: PodSighting, *, now: float) -> None:
-        key = (res.key, impostor.uid)
-        if key in self._announced:
-            return
-        self._announced.add(key)
-        log.warning("impostor pod ignored", reservation=res.key, pod=impostor.name)
-        self.metrics.impostor_pods.inc()
-        await self._post(res, on_pod(res, impostor), not_yours(res, impostor), now=now)
-
     async def _apply(
         self, res: GpuReservation, *, pod: PodSighting | None, the_plan: Plan, now: float
     ) -> bool:
@@ -491,17 +440,7 @@ class ReservationReconciler:
         if the_plan.event is None:
             return True
         if the_plan.event_on_reservation:
-            await self._post(res, involving(res), the_plan.event, now=now)
+            await self._notices.post(res, involving(res), the_plan.event, now=now)
         elif pod is not None:
-            await self._post(res, on_pod(res, pod), the_plan.event, now=now)
+            await self._notices.post(res, on_pod(res, pod), the_plan.event, now=now)
         return True
-
-    async def _post(self, res: GpuReservation, involved: Involved, event: Event, *, now: float) -> None:
-        await post_event(
-            self.kube,
-            namespace=res.namespace,
-            involved=involved,
-            event=event,
-            now=now,
-            reporter=self.settings.identity,
-        )
