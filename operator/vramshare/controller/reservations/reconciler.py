@@ -102,11 +102,11 @@ class ReservationReconciler:
     async def sweep(self, *, presence: GpuPresence) -> int:
         """Check every reservation against its pod, from the watch caches; returns how many changed.
         A conclusion that its pod is gone or never came is confirmed with a direct read first."""
-        by_reservation = self.state.pods_by_reservation()
         changed = 0
         current = list(self.state.reservations.items.values())
         for res in current:
-            labelled = by_reservation.get((res.namespace, res.pod_label), [])
+            # The sightings the pod watch keeps: a sweep decodes no pod.
+            labelled = list(self.state.pods_by_label.of(res.namespace, res.pod_label))
             if await self.reconcile(res, labelled, presence=presence, confirm_absence=True):
                 changed += 1
         # From the caches as the loop above left them (its writes are in them), not from `current`.
@@ -180,7 +180,9 @@ class ReservationReconciler:
                     pod=f"{meta['namespace']}/{meta['name']}",
                     grace_s=sighting.forced_grace_s,
                 )
-            await self.reconcile(member, [] if deleted else [pod], presence=presence, pod_deleted=deleted)
+            await self.reconcile(
+                member, [] if deleted else [sighting], presence=presence, pod_deleted=deleted
+            )
 
     def reservation_changed(self, res: GpuReservation, *, presence: Callable[[], GpuPresence]) -> None:
         """A reservation was created or changed: while it waits for its pod, look again at its TTL, so
@@ -222,7 +224,9 @@ class ReservationReconciler:
             if current is None or current.status.pod_uid:
                 return  # gone, or bound meanwhile
             self._checks.spawn(
-                self._reconcile_quietly(current, [pod_now] if pod_now is not None else [], presence)
+                self._reconcile_quietly(
+                    current, sightings([pod_now] if pod_now is not None else []), presence
+                )
             )
 
         self._binds.arm(key, max(0.0, at - now) + 0.1, due)
@@ -240,7 +244,9 @@ class ReservationReconciler:
 
         self._releases.arm(key, max(0.0, at - now) + 0.1, due)
 
-    async def _reconcile_quietly(self, res: GpuReservation, pods: list[Obj], presence: GpuPresence) -> None:
+    async def _reconcile_quietly(
+        self, res: GpuReservation, pods: list[PodSighting], presence: GpuPresence
+    ) -> None:
         try:
             await self.reconcile(res, pods, presence=presence, confirm_absence=True)
         except Exception as exc:  # the sweep catches it later
@@ -254,7 +260,7 @@ class ReservationReconciler:
             pods = await self.kube.list(
                 pods_path(key[0]), label_selector=f"{LABEL_RESERVATION}={res.pod_label}"
             )
-            await self.reconcile(res, pods.get("items", []), presence=presence)
+            await self.reconcile(res, sightings(pods.get("items", [])), presence=presence)
             early = self.clock() - (res.meta.created_at or 0.0) < self.settings.reservation_ttl_s
             if early and not pods.get("items") and not res.meta.deleting:
                 # Looked at a moment early (the API server's clock is estimated to within about half
@@ -269,18 +275,17 @@ class ReservationReconciler:
     async def reconcile(
         self,
         res: GpuReservation,
-        labelled: list[Obj],
+        labelled: list[PodSighting],
         *,
         presence: GpuPresence,
         confirm_absence: bool = False,
         pod_deleted: bool = False,
     ) -> bool:
-        """Move `res` on, given the pods that carry its label (its own, and any impostors). With
-        `confirm_absence` (the pods came from a cache), a transition for want of its pod is taken only
-        after a direct read of the pods carrying its label agrees."""
+        """Move `res` on, given the sightings of the pods that carry its label (its own, and any
+        impostors). With `confirm_absence` (the pods came from a cache), a transition for want of its
+        pod is taken only after a direct read of the pods carrying its label agrees."""
         now = self.clock()
-        sightings = [pod_sighting(p) for p in labelled if p["metadata"].get("uid")]
-        pod, impostors = genuine_pod(res.to_domain(), sightings, bound_uid=self._pins.uid_of(res))
+        pod, impostors = genuine_pod(res.to_domain(), labelled, bound_uid=self._pins.uid_of(res))
         res = self._pins.as_bound(res, pod)
         for impostor in impostors:
             await self._notices.impostor(res, impostor, now=now)
@@ -317,7 +322,7 @@ class ReservationReconciler:
                 label_selector=f"{LABEL_RESERVATION}={res.pod_label}",
             )
             if listed.get("items"):  # the cache was behind: decide on what is really there
-                return await self.reconcile(res, listed["items"], presence=presence)
+                return await self.reconcile(res, sightings(listed["items"]), presence=presence)
         if not await self._apply(res, pod=pod, the_plan=the_plan, now=now):
             # It changed under us (another write of ours, or someone else's): look again on a fresh
             # read now, rather than leave a due transition to the next sweep.
@@ -444,3 +449,9 @@ class ReservationReconciler:
         elif pod is not None:
             await self._notices.post(res, on_pod(res, pod), the_plan.event, now=now)
         return True
+
+
+def sightings(pods: list[Obj]) -> list[PodSighting]:
+    """Pods as listed or cached, as the lifecycle sees them (those without a UID, not created yet, left
+    out)."""
+    return [pod_sighting(p) for p in pods if p["metadata"].get("uid")]
