@@ -79,6 +79,8 @@ async def test_an_event_older_than_this_processs_own_write_does_not_replace_it(k
     assert cache.items[key] == "3"
     assert "2" not in seen, seen  # before: v2's event put the older version back for a moment
     assert cache.stale_events == 1
+    # v3's own event carries the very resourceVersion the write's answer did: not applied again.
+    assert (cache.echoes, seen) == (1, []), seen
     await kube.delete(f"{PATH}/{name}")
 
 
