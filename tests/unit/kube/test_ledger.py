@@ -329,6 +329,70 @@ async def test_commits_decided_together_share_one_bump(running: tuple[FakeKube, 
     )
 
 
+async def test_a_booking_is_created_while_the_bump_ahead_of_it_is_on_its_way(
+    running: tuple[FakeKube, KubeLedger], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A GPU's bumps go one at a time, but a booking decided meanwhile is created at once: its create
+    does not wait for the bump ahead of it (issue #45), and the next bump names it."""
+    kube, ledger = running
+    token = (await ledger.snapshot()).tokens[GPU.uuid]
+    patch = kube.merge_patch
+    bump_started, release = asyncio.Event(), asyncio.Event()
+
+    async def slow_first_bump(path: str, body: dict[str, Any]) -> dict[str, Any]:
+        if path == DEVICE and not bump_started.is_set():
+            bump_started.set()
+            await release.wait()
+        return await patch(path, body)
+
+    monkeypatch.setattr(kube, "merge_patch", slow_first_bump)
+    first = asyncio.create_task(ledger.commit(reservation=booking("first"), token=token, live=True))
+    await asyncio.wait_for(bump_started.wait(), 2)
+    second = asyncio.create_task(ledger.commit(reservation=booking("second"), token=token, live=True))
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert f"{reservations_path('jobs')}/second" in kube.objects  # created while the bump waits
+    assert not second.done()  # but not answered before a bump names it
+    release.set()
+    await first
+    made = await second
+    bumps = sum(op == "merge_patch" and path == DEVICE for op, path in kube.calls)
+    assert bumps == 2
+    assert kube.objects[DEVICE]["metadata"]["annotations"][ANNOTATION_LEDGER] == (
+        f"jobs/second@{made.meta.resource_version}"
+    )
+
+
+async def test_a_bump_never_names_an_older_booking_than_the_bump_before_it(
+    running: tuple[FakeKube, KubeLedger], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first group's create finishes after the second group's: the second bump still names a
+    version covering the first's booking, or a view waiting for its mark could miss that booking."""
+    kube, ledger = running
+    token = (await ledger.snapshot()).tokens[GPU.uuid]
+    create = kube.create
+    second_made = asyncio.Event()
+
+    async def first_create_finishes_last(path: str, obj: dict[str, Any], **kw: Any) -> dict[str, Any]:
+        if obj["metadata"]["name"] == "first":
+            await second_made.wait()
+            return await create(path, obj, **kw)
+        made = await create(path, obj, **kw)
+        second_made.set()
+        return made
+
+    monkeypatch.setattr(kube, "create", first_create_finishes_last)
+    first = asyncio.create_task(ledger.commit(reservation=booking("first"), token=token, live=True))
+    for _ in range(5):
+        await asyncio.sleep(0)  # the first group forms with the first booking alone
+    second = asyncio.create_task(ledger.commit(reservation=booking("second"), token=token, live=True))
+    one, two = await asyncio.wait_for(asyncio.gather(first, second), 5)  # a chained create never comes
+    assert int(one.meta.resource_version) > int(two.meta.resource_version)
+    device = GpuDevice.from_wire(kube.objects[DEVICE])
+    assert device.meta.annotations[ANNOTATION_LEDGER].startswith("jobs/second@")
+    assert last_commit_version(device) >= int(one.meta.resource_version)
+
+
 async def test_a_caller_that_gives_up_leaves_no_booking(running: tuple[FakeKube, KubeLedger]) -> None:
     kube, ledger = running
     token = (await ledger.snapshot()).tokens[GPU.uuid]

@@ -29,11 +29,15 @@ are unique), so two admissions can never both succeed on a view that misses the 
 **Within one process** a decision puts its reservation into the view before its first await, so the
 next decision already counts it and does not pick the same "best" GPU: requests that arrive together
 are decided together without a batching window. Commits on different GPUs run in parallel; commits
-on the same GPU are chained in order on one token. Across replicas, GPUs that tie are dealt out so
-that replicas rarely commit on the same GPU at once (`vramshare.domain.shards`, issue #31); the token,
-not the deal, keeps that safe. (Pipelining a GPU's groups, the next group's creates while the last
-one moves the token, was tried in issue #31 and measured no faster on a CPU-bound API server; it
-also needed a mark that never names less than the one it moves from.)
+on the same GPU bump its token in order, one bump at a time. A reservation is created as soon as it
+is decided, without waiting for the bumps ahead of it: while one bump moves a GPU's token, the
+reservations decided since are being created, and the next bump names all of them (issue #45: a GPU's
+commits were chained create, bump, create, bump, and at concurrency 16 that chain, not the CPU,
+limited how many pods a replica admitted per second). A bump never names an older reservation than
+the one before it on that GPU, so a view that waits for the mark holds every booking committed
+before it, whichever create finished first. Across replicas, GPUs that tie are dealt out so that
+replicas rarely commit on the same GPU at once (`vramshare.domain.shards`, issue #31); the token, not
+the deal, keeps that safe.
 
 The webhook bounds its whole answer by a deadline below the API server's timeout. A commit cancelled
 by that deadline anywhere after its create withdraws the reservation (bounded by a few seconds), so
@@ -96,6 +100,8 @@ class _Pending:
     token: str
     live: bool
     done: asyncio.Future[GpuReservation]
+    made: asyncio.Task[GpuReservation]
+    """Its create (or placement), started when it was decided."""
     places: bool = False
     """It writes the placement of an existing queue entry instead of creating a reservation."""
     abandoned: bool = False
@@ -137,7 +143,10 @@ class CommitProtocol(LedgerView):
         self._successor: dict[str, dict[str, str]] = {}
         """GPU UUID -> {token: the token our commit on it returned}, to chain our own commits."""
         self._queues: dict[str, list[_Pending]] = {}
-        """GPU UUID -> commits decided and waiting for that GPU, in the order they were decided."""
+        """GPU UUID -> commits decided and waiting for that GPU's bump, in the order they were decided."""
+        self._named: dict[str, int] = {}
+        """GPU UUID -> the highest reservation version this process's bumps named on it: a mark never
+        names less (creates finish in any order)."""
         self._committers: dict[str, asyncio.Task[None]] = {}
         self._background: set[asyncio.Task[None]] = set()
 
@@ -149,8 +158,8 @@ class CommitProtocol(LedgerView):
         Call it right after deciding, with no await in between: the reservation joins this process's
         view at once, before the first await, so the next decision counts it. Commits on one GPU are
         made in the order they were decided, and those decided on live views while one was in
-        flight go together: their reservations are created in parallel, then one bump of the token
-        names the newest (group commit). With `live` (decided on a live view), a token moved since only
+        flight go together: their reservations are created as they are decided, and one bump of the
+        token names the newest (group commit). With `live` (decided on a live view), a token moved since only
         by this process's own commits is followed to its latest value: those commits were decided
         before this one, so their reservations were in its view. A decision on a consistent read
         commits alone on its own token, or conflicts and decides again.
@@ -160,24 +169,26 @@ class CommitProtocol(LedgerView):
         gpu_uuid = reservation.spec.gpu_uuid
         key = _reservation_key(reservation.namespace, reservation.name)
         self.reservations.put(key, reservation.to_domain())  # reserved_at 0.0: decided, not created
+        loop = asyncio.get_running_loop()
         entry = _Pending(
             reservation=reservation,
             key=key,
             token=token,
             live=live,
-            done=asyncio.get_running_loop().create_future(),
+            done=loop.create_future(),
+            made=loop.create_task(self._create(reservation, places=places)),
             places=places,
         )
         queue = self._queues.setdefault(gpu_uuid, [])
         queue.append(entry)
         if gpu_uuid not in self._committers:
-            self._committers[gpu_uuid] = asyncio.get_running_loop().create_task(self._drain(gpu_uuid))
+            self._committers[gpu_uuid] = loop.create_task(self._drain(gpu_uuid))
         try:
             return await asyncio.shield(entry.done)
         except asyncio.CancelledError:
             if entry in queue:
                 queue.remove(entry)
-                self.reservations.drop(key)
+                self._later(self._abandon_once_made(entry))
             elif entry.done.done() and not entry.done.cancelled() and entry.done.exception() is None:
                 if not places:  # a committed placement stands (see `place`)
                     self._later(self._abandon(entry.done.result(), key))
@@ -210,6 +221,18 @@ class CommitProtocol(LedgerView):
         self.reservations.drop(key)
         await self._withdraw(created)
 
+    async def _abandon_once_made(self, entry: _Pending) -> None:
+        """Withdraw a commit that will not be bumped (its caller gave up, or shutdown), once its create,
+        already on its way, is answered: nobody will be told of it, so it may not stand."""
+        self.reservations.drop(entry.key)
+        if not entry.done.done():
+            entry.done.cancel()
+        try:
+            created = await asyncio.shield(entry.made)
+        except Exception:  # not made (its create failed): nothing to withdraw
+            return
+        await self._withdraw(created, unplace=entry.places)
+
     def _head(self, gpu_uuid: str, token: str) -> str:
         chain = self._successor.get(gpu_uuid, {})
         while token in chain:
@@ -236,13 +259,11 @@ class CommitProtocol(LedgerView):
         finally:
             self._committers.pop(gpu_uuid, None)
             for entry in queue:  # only when this task itself is cancelled (shutdown)
-                self.reservations.drop(entry.key)
-                entry.done.cancel()
+                self._later(self._abandon_once_made(entry))
             queue.clear()
 
-    async def _create(self, entry: _Pending) -> GpuReservation:
-        res = entry.reservation
-        if entry.places:
+    async def _create(self, res: GpuReservation, *, places: bool) -> GpuReservation:
+        if places:
             self.on_write("gpureservations", "patch")
             obj = await self.kube.merge_patch(
                 reservations_path(res.namespace, res.name),
@@ -260,7 +281,13 @@ class CommitProtocol(LedgerView):
         return GpuReservation.from_wire(obj)
 
     async def _commit_group(self, gpu_uuid: str, batch: list[_Pending], token: str) -> None:
-        results = await asyncio.gather(*(self._create(e) for e in batch), return_exceptions=True)
+        try:
+            # Shielded: on shutdown the creates still finish, and what they made is withdrawn.
+            results = await asyncio.shield(asyncio.gather(*(e.made for e in batch), return_exceptions=True))
+        except asyncio.CancelledError:
+            for entry in batch:
+                self._later(self._abandon_once_made(entry))
+            raise
         made: list[tuple[_Pending, GpuReservation]] = []
         for entry, result in zip(batch, results, strict=True):
             if isinstance(result, GpuReservation):
@@ -270,7 +297,10 @@ class CommitProtocol(LedgerView):
         if not made:
             return
         newest = max((c for _, c in made), key=lambda c: int(c.meta.resource_version or 0))
-        mark = f"{newest.key}@{newest.meta.resource_version}"
+        # Never less than this process named before on the GPU: an earlier group's create may have
+        # finished after this one's.
+        version = max(int(newest.meta.resource_version or 0), self._named.get(gpu_uuid, 0))
+        mark = f"{newest.key}@{version}"
         try:
             bumped, token = await self._bump(gpu_uuid, token=token, mark=mark)
         except BaseException as exc:
@@ -296,6 +326,7 @@ class CommitProtocol(LedgerView):
             del chain[next(iter(chain))]
         self._own_tokens[gpu_uuid] = new_token
         device = GpuDevice.from_wire(bumped)
+        self._named[gpu_uuid] = max(self._named.get(gpu_uuid, 0), last_commit_version(device))
         self.devices.put(f"/{device_name(gpu_uuid)}", device, resource_version=device.meta.resource_version)
         for entry, created in made:
             if entry.abandoned and not entry.places:  # a committed placement stands (see `place`)
