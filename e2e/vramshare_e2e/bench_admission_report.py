@@ -78,10 +78,17 @@ def summary(report: dict[str, Any]) -> str:
         for case, cost in r.get("cost_per_pod", {}).items():
             cpu = cost["cpu_ms"]
             unsettled = cost.get("pods_not_running")
+            machine = cost.get("machine_cpu_ms")
             lines.append(
                 f"      per pod, {case}: {cost['api_requests_total']:.2f} API requests "
                 f"({', '.join(f'{k} {v:g}' for k, v in cost['api_requests'].items())}); CPU ms "
                 + ", ".join(f"{k} {v:.1f}" for k, v in cpu.items())
+                + (
+                    f"; the whole machine {machine['while_creating']:.1f} ms while creating, "
+                    f"{machine['after']:.1f} after"
+                    if machine
+                    else ""
+                )
                 + (f"; {unsettled} pods not running when counted" if unsettled else "")
             )
     for scale in report["scale"]:

@@ -94,6 +94,14 @@ def api_requests(cluster: LocalCluster) -> dict[str, float]:
     return totals
 
 
+def machine_cpu_seconds() -> float:
+    """CPU seconds the whole machine has been busy so far (every process: the cluster's components,
+    the scheduler, the benchmark's own client), from /proc/stat."""
+    fields = [int(f) for f in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    idle = fields[3] + fields[4]  # idle and iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")  # guest time is counted in user already
+
+
 def cpu_seconds(cluster: LocalCluster) -> dict[str, float]:
     """CPU seconds (user + system) each component has used so far, from /proc."""
     tick = os.sysconf("SC_CLK_TCK")

@@ -102,6 +102,10 @@ def test_admission_smoke(tmp_path: Path) -> None:
             assert cost[case]["api_requests"]["pods/post"] >= 2, cost[case]
             assert cost[case]["api_requests"]["pods/patch"] >= 1, cost[case]
             assert cost[case]["cpu_ms"]["kube-apiserver"] > 0
+            # The whole machine's CPU, split at the phase's last create: work happens on both sides.
+            machine = cost[case]["machine_cpu_ms"]
+            assert machine["while_creating"] > 0, machine
+            assert machine["after"] > 0, machine
         assert cost["vramshare"]["api_requests"]["gpureservations/post"] >= 1
         # The floor made its one write per pod, of its own kind (no GpuReservation), and its webhooks'
         # CPU is counted (measured below over both levels: /proc counts it in 10 ms ticks, and one
