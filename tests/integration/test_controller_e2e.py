@@ -505,8 +505,28 @@ def test_invalid_setting_stops_the_controller_with_a_clear_message() -> None:
     assert "VRAMSHARE_POLL_INTERVAL_S='soon' is not valid: expected a number" in result.stderr
 
 
+def a_booking_to_show(stack: LocalCluster, name: str) -> None:
+    """A booking in `jobs` for the status command to show, once every GPU is known: the tests of
+    the command make their own, so that each passes run alone (`-k`) as in the module."""
+    fleet = stack.settings.fleet
+    eventually(lambda: len(devices(stack)) == len(fleet.all_gpus()), what="GpuDevices")
+    _, gpu = fleet.all_gpus()[1]
+    booking = bare_booking(
+        name=name,
+        namespace="jobs",
+        pod=f"{name}-pod",
+        node="gpu-node-a",
+        uuid=gpu.uuid,
+        index=gpu.index,
+        mib=1024,
+    )
+    stack.kubectl("create", "-f", "-", stdin=json.dumps(booking))
+
+
 def test_vramshare_status_against_the_stack(stack: LocalCluster) -> None:
-    """Run as an installed command with the cluster's kubeconfig, as a person or kubectl would."""
+    """Run as an installed command with the cluster's kubeconfig, as a person or kubectl would. The
+    test makes the booking it looks for: run alone (`-k`), it found none before."""
+    a_booking_to_show(stack, "shown-by-status")
     cli = Path(sys.executable).parent / "kubectl-vramshare"
     table = subprocess.run(
         [str(cli), "status", "--kubeconfig", str(stack.kubeconfig)],
@@ -528,10 +548,10 @@ def test_vramshare_status_against_the_stack(stack: LocalCluster) -> None:
         ).stdout
     )
     api = {d["spec"]["uuid"]: d["status"]["headroomMiB"] for d in devices(stack).values()}
-    shown = {g["uuid"]: g["headroom_mib"] for g in data["gpus"]}
-    assert set(shown) == set(api)
+    listed = {g["uuid"]: g["headroom_mib"] for g in data["gpus"]}
+    assert set(listed) == set(api)
     names = {r["name"] for r in data["reservations"]}
-    assert "orphan" in names
+    assert "shown-by-status" in names
     bad = subprocess.run(
         [str(cli), "status", "--kubeconfig", "/nonexistent"],
         capture_output=True,
@@ -545,6 +565,7 @@ def test_vramshare_status_against_the_stack(stack: LocalCluster) -> None:
 
 def test_the_kubectl_plugin_takes_kubectls_flags(stack: LocalCluster) -> None:
     """--context, -n, -o yaml|wide and -w, as `kubectl vramshare status ...` is used."""
+    a_booking_to_show(stack, "shown-by-the-plugin")
     cli = Path(sys.executable).parent / "kubectl-vramshare"
     context = stack.kubectl("config", "current-context").strip()
 
