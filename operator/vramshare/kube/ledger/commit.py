@@ -31,13 +31,12 @@ next decision already counts it and does not pick the same "best" GPU: requests 
 are decided together without a batching window. Commits on different GPUs run in parallel; commits
 on the same GPU bump its token in order, one bump at a time. A reservation is created as soon as it
 is decided, without waiting for the bumps ahead of it: while one bump moves a GPU's token, the
-reservations decided since are being created, and the next bump names all of them (issue #45: a GPU's
-commits were chained create, bump, create, bump, and at concurrency 16 that chain, not the CPU,
-limited how many pods a replica admitted per second). A bump never names an older reservation than
-the one before it on that GPU, so a view that waits for the mark holds every booking committed
-before it, whichever create finished first. Across replicas, GPUs that tie are dealt out so that
-replicas rarely commit on the same GPU at once (`vramshare.domain.shards`, issue #31); the token, not
-the deal, keeps that safe.
+reservations decided since are being created, and the next bump names all of them. (Until issue #45
+a GPU's commits were chained create, bump, create, bump, and each waited for the whole group ahead
+of it.) A bump never names an older reservation than the one before it on that GPU, so a view that
+waits for the mark holds every booking committed before it, whichever create finished first. Across
+replicas, GPUs that tie are dealt out so that replicas rarely commit on the same GPU at once
+(`vramshare.domain.shards`, issue #31); the token, not the deal, keeps that safe.
 
 The webhook bounds its whole answer by a deadline below the API server's timeout. A commit cancelled
 by that deadline anywhere after its create withdraws the reservation (bounded by a few seconds), so
