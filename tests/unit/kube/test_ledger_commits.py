@@ -8,6 +8,8 @@ import asyncio
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tests.unit.fake_kube import FakeKube
 from tests.unit.kube.ledger_harness import (
@@ -17,6 +19,7 @@ from tests.unit.kube.ledger_harness import (
     cluster,
     commit_elsewhere,
     deletes,
+    fed,
     hold,
     names,
     queue_entry,
@@ -109,6 +112,62 @@ async def test_a_bump_never_names_an_older_booking_than_the_bump_before_it(
     device = GpuDevice.from_wire(kube.objects[DEVICE])
     assert device.meta.annotations[ANNOTATION_LEDGER].startswith("jobs/second@")
     assert last_commit_version(device) >= int(one.meta.resource_version)
+
+
+async def _turns(n: int) -> None:
+    for _ in range(n):
+        await asyncio.sleep(0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    plan=st.lists(
+        st.tuples(st.integers(0, 6), st.integers(0, 8), st.integers(0, 8)),  # arrival, create, bump
+        min_size=2,
+        max_size=8,
+    )
+)
+def test_a_committed_booking_is_always_covered_by_its_gpus_mark(
+    plan: list[tuple[int, int, int]],
+) -> None:
+    """Whatever order creates and bumps finish in: once a commit is answered, the GPU's mark names a
+    version at least its booking's, so a view that waits for the mark holds it; every booking stands
+    and the token moved at most once per booking."""
+
+    async def scenario() -> None:
+        kube = await cluster()
+        create, patch = kube.create, kube.merge_patch
+        delays = {f"b{i}": c for i, (_, c, _) in enumerate(plan)}
+        bump_delays = iter([b for _, _, b in plan] * 2)
+
+        async def slow_create(path: str, obj: dict[str, Any], **kw: Any) -> dict[str, Any]:
+            await _turns(delays.get(obj["metadata"]["name"], 0))
+            return await create(path, obj, **kw)
+
+        async def slow_bump(path: str, body: dict[str, Any]) -> dict[str, Any]:
+            if path == DEVICE:
+                await _turns(next(bump_delays, 0))
+            return await patch(path, body)
+
+        kube.create, kube.merge_patch = slow_create, slow_bump  # type: ignore[method-assign]
+        async with fed(KubeLedger(kube)) as ledger:  # type: ignore[arg-type]
+            token = (await ledger.snapshot()).tokens[GPU.uuid]
+            answered: list[int] = []
+
+            async def one(i: int, arrival: int) -> None:
+                await _turns(arrival)
+                made = await ledger.commit(reservation=booking(f"b{i}", 512), token=token, live=True)
+                answered.append(int(made.meta.resource_version))
+                device = GpuDevice.from_wire(kube.objects[DEVICE])
+                assert last_commit_version(device) >= max(answered), (i, plan)
+
+            await asyncio.wait_for(asyncio.gather(*(one(i, a) for i, (a, _, _) in enumerate(plan))), 5)
+        final = GpuDevice.from_wire(kube.objects[DEVICE])
+        assert last_commit_version(final) >= max(answered), plan
+        assert len(reservations(kube)) == len(plan)
+        assert sum(op == "merge_patch" and path == DEVICE for op, path in kube.calls) <= len(plan)
+
+    asyncio.run(scenario())
 
 
 async def test_a_caller_that_gives_up_leaves_no_booking(running: tuple[FakeKube, KubeLedger]) -> None:
