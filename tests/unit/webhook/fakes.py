@@ -186,3 +186,26 @@ def apply(doc: dict[str, Any], ops: list[dict[str, Any]]) -> dict[str, Any]:
         else:
             target[last] = op["value"]
     return doc
+
+
+def applied(req: rv.Request, review: rv.Review) -> rv.Request:
+    """The request as the API server sends it again after a later webhook: the first pass's patch
+    applied (plus a sidecar container), under a new request UID."""
+    pod = apply(req.object, patch_of(review))
+    pod["spec"]["containers"].append({"name": "sidecar", "image": "proxy"})
+    return replace(req, uid=req.uid + "-again", object=pod)
+
+
+def env_of(review: rv.Review, container: int = 0) -> dict[str, Any]:
+    """A container's environment as the patch sets it: name -> value (or valueFrom)."""
+    ops = {op["path"]: op["value"] for op in patch_of(review)}
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in ops[f"/spec/containers/{container}/env"]}
+
+
+def env_list(review: rv.Review) -> list[dict[str, Any]]:
+    """The first container's environment as the patch sets it."""
+    return next(op["value"] for op in patch_of(review) if op["path"] == "/spec/containers/0/env")  # type: ignore[no-any-return]
+
+
+TLS_FILES = {"VRAMSHARE_TLS_CERT_FILE": "/tls/tls.crt", "VRAMSHARE_TLS_KEY_FILE": "/tls/tls.key"}
+"""The TLS files every webhook setting needs."""
