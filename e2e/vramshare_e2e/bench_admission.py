@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -42,8 +43,10 @@ from vramshare_e2e.bench_measure import (
     latency_stats,
     machine_cpu_seconds,
     peak_rss_mib,
+    pin,
     ratios,
     rss_mib,
+    split_cores,
     webhook_metrics,
     writes_between,
 )
@@ -156,11 +159,16 @@ def _room_for_every_phase(cluster: LocalCluster, *, pods: int) -> None:
 
 
 def admission(
-    *, smoke: bool, show: Callable[[str], None], scale: bool = True, levels: list[int] | None = None
+    *,
+    smoke: bool,
+    show: Callable[[str], None],
+    scale: bool = True,
+    levels: list[int] | None = None,
+    cores_split: bool = False,
 ) -> dict[str, Any]:
     levels = levels or ([1, 4] if smoke else [1, 4, 16, 64])
     pods = 12 if smoke else 240
-    result: dict[str, Any] = {"pods_per_level": pods, "levels": {}}
+    result: dict[str, Any] = {"pods_per_level": pods, "levels": {}, "layout": "shared"}
     with LocalCluster.start() as cluster:
         # The scale section stops the controller (it would expire the pod-less fillers), so samples
         # must stay usable without it for the length of the run.
@@ -205,6 +213,8 @@ def admission(
             timeout_s=30,
         )
         _room_for_every_phase(cluster, pods=PODS_PER_NODE)
+        if cores_split:
+            result["layout"] = _split_the_cores(cluster, show=show)
         # One connection per client thread: with the client's default pool of 10, the threads past 10
         # opened a fresh TLS connection per pod, a cost of the benchmark's own, not of admission.
         client_config = client.Configuration()
@@ -382,6 +392,24 @@ def _at_scale(
     }
 
 
+def _split_the_cores(cluster: LocalCluster, *, show: Callable[[str], None]) -> str:
+    """Give the cluster (control plane, kwok, monitoring) one half of this machine's CPUs and its
+    workloads (the webhooks, the controller) and the load generator the other (`split_cores`)."""
+    running = {c.name: c.process.pid for c in cluster.components if c.process is not None}
+    plan, generator = split_cores(list(running), sorted(os.sched_getaffinity(0)))
+    for name, cpus in plan.items():
+        pin(running[name], cpus)
+    pin(os.getpid(), generator)
+    workloads = sorted(name for name, cpus in plan.items() if cpus == generator)
+    cluster_cpus = next((cpus for cpus in plan.values() if cpus != generator), ())
+    layout = (
+        f"split: the cluster on CPUs {','.join(map(str, cluster_cpus))}; "
+        f"{', '.join(workloads)} and the load generator on CPUs {','.join(map(str, generator))}"
+    )
+    show(layout)
+    return layout
+
+
 def run(
     *,
     smoke: bool,
@@ -389,11 +417,13 @@ def run(
     show: Callable[[str], None] = print,
     scale: bool = True,
     levels: list[int] | None = None,
+    cores_split: bool = False,
 ) -> dict[str, Any]:
     """The whole benchmark. Without `scale` the ledger-size steps (filling 100 000 bookings takes
-    about half an hour here) are not run, and the last run's are kept, marked with their date."""
+    about half an hour here) are not run, and the last run's are kept, marked with their date. With
+    `cores_split`, the cluster and its workloads run on separate halves of the machine's CPUs."""
     report: dict[str, Any] = {"smoke": smoke, "levels": {}}
-    adm = admission(smoke=smoke, show=show, scale=scale, levels=levels)
+    adm = admission(smoke=smoke, show=show, scale=scale, levels=levels, cores_split=cores_split)
     report.update(adm)
     previous = out / "admission.json"
     if not scale and previous.exists():
@@ -426,6 +456,12 @@ def main(argv: list[str] | None = None) -> None:
         type=lambda v: [int(x) for x in v.split(",")],
         help="concurrency levels, comma-separated (default 1,4,16,64; smoke 1,4)",
     )
+    parser.add_argument(
+        "--split-cores",
+        action="store_true",
+        help="the cluster (control plane, kwok, monitoring) on one half of the CPUs, the webhooks, the "
+        "controller and the load generator on the other, as pods run on nodes; write to another --out",
+    )
     args = parser.parse_args(argv)
     run(
         smoke=args.smoke,
@@ -433,6 +469,7 @@ def main(argv: list[str] | None = None) -> None:
         show=lambda s: print(s, flush=True),
         scale=not args.no_scale,
         levels=args.levels,
+        cores_split=args.split_cores,
     )
 
 

@@ -47,7 +47,8 @@ def _ratio_text(ratios: dict[str, float]) -> str:
 def summary(report: dict[str, Any]) -> str:
     lines = [
         f"Admission: {report['pods_per_level']} pods per level; "
-        "plain, null webhook and vramshare on one API server",
+        "plain, null webhook and vramshare on one API server; "
+        f"CPUs {report.get('layout', 'shared')}",
         f"{'conc':>4}  {'plain p50':>9} {'p99':>8} {'pods/s':>7}  {'null p50':>9} {'p99':>8}  "
         f"{'vram p50':>9} {'p99':>8} {'pods/s':>7}  {'r50':>5} {'r99':>5} {'thr':>5}  "
         f"{'decision p50/p99':>17}  writes/adm  conflicts  rebased",
@@ -91,7 +92,7 @@ def summary(report: dict[str, Any]) -> str:
                 )
                 + (f"; {unsettled} pods not running when counted" if unsettled else "")
             )
-    for scale in report["scale"]:
+    for scale in report.get("scale", []):
         d = scale["webhook_decision"]
         c = scale["webhook_choose"]
         lines.append(

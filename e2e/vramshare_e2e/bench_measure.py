@@ -23,6 +23,55 @@ FLOOR_WEBHOOKS = ("e2e-one-write-0", "e2e-one-write-1")
 CPU_OF = ("kube-apiserver", "etcd", "webhook-a", "webhook-b", "controller", "kwok", *FLOOR_WEBHOOKS)
 
 
+def is_workload(component: str) -> bool:
+    """Whether `component` runs as a workload of the cluster (a pod on a node): vramshare's webhooks and
+    controller, and the benchmark's own webhooks; the rest (the control plane, kwok's kubelets,
+    the exporter and Prometheus) is the cluster itself."""
+    return component == "controller" or component.startswith(("webhook-", "e2e-"))
+
+
+def split_cores(components: list[str], cpus: list[int]) -> tuple[dict[str, tuple[int, ...]], tuple[int, ...]]:
+    """The CPUs each component may use when the cluster and its workloads get separate halves of the
+    machine (`--split-cores`), as in a cluster where the webhooks and the controller run as pods on
+    nodes, not on the control plane's CPUs; and the load generator's CPUs (the workloads' half: the
+    clients are elsewhere too). The cluster gets the first half, rounded down."""
+    if len(cpus) < 2:
+        raise ValueError(f"--split-cores needs at least 2 CPUs; this process may use {len(cpus)} ({cpus})")
+    ordered = sorted(cpus)
+    cluster, workloads = tuple(ordered[: len(ordered) // 2]), tuple(ordered[len(ordered) // 2 :])
+    return {name: workloads if is_workload(name) else cluster for name in components}, workloads
+
+
+def pin(pid: int, cpus: tuple[int, ...]) -> None:
+    """Confine every thread of process `pid` and of its descendants to `cpus` (a component may run
+    under a wrapper; threads and processes started later inherit it)."""
+    for process in (pid, *_descendants(pid)):
+        try:
+            for task in os.listdir(f"/proc/{process}/task"):
+                os.sched_setaffinity(int(task), cpus)
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # ended meanwhile
+
+
+def _descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        parent = int(stat.rpartition(")")[2].split()[1])  # the field after the state
+        children.setdefault(parent, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
