@@ -1,98 +1,50 @@
-"""The controller against the real stack: API server, kwok pods, fake exporter, Prometheus, and the
-webhook creating reservations. The module runs its own control plane, since it removes and replaces
-GPUs and stops Prometheus."""
+"""The controller against the real stack (`controller_stack`): devices following DCGM, a booking's
+lifecycle and its events, outages of Prometheus and the exporter, a killed controller, two
+controllers, GPUs removed and replaced, and a bad setting."""
 
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 from kubernetes import client, config
 
+from tests.integration.controller_stack import (
+    CONTROLLER_ENV,
+    controller_stack,
+    devices,
+    events_for,
+    gpu_pod,
+    phase_of,
+    reservation,
+)
 from vramshare.kube.resources import ANNOTATION_GPU_UUID, ANNOTATION_RESERVATION, device_name
 from vramshare_e2e.bookings import shown_phase_of, shown_phases
-from vramshare_e2e.cluster import RUN_DURATION_ANNOTATION, LocalCluster
+from vramshare_e2e.cluster import LocalCluster
 from vramshare_e2e.components import (
     bare_booking,
     metric,
     start_controller,
-    start_webhook,
-    webhook_configuration,
 )
-from vramshare_e2e.plugin import build as build_plugin
 from vramshare_e2e.process import eventually
-from vramshare_e2e.tools import tools_bin_dir
 
 pytestmark = pytest.mark.cluster
-
-CONTROLLER_ENV = {
-    "VRAMSHARE_POLL_INTERVAL_S": "1",
-    "VRAMSHARE_LIFECYCLE_INTERVAL_S": "1",
-    "VRAMSHARE_MAX_SAMPLE_AGE_S": "6",
-    "VRAMSHARE_MISSING_GRACE_S": "4",
-    "VRAMSHARE_FORGET_MISSING_AFTER_S": "12",
-    "VRAMSHARE_RESERVATION_TTL_S": "6",
-    "VRAMSHARE_SETTLE_S": "2",
-    "VRAMSHARE_SAFETY_MARGIN_MIB": "512",
-    "VRAMSHARE_LEASE_DURATION_S": "4",
-    "VRAMSHARE_LEASE_RENEW_DEADLINE_S": "2.5",
-    "VRAMSHARE_LEASE_RETRY_PERIOD_S": "0.5",
-}
 
 
 @pytest.fixture(scope="module")
 def stack() -> Iterator[LocalCluster]:
-    with LocalCluster.start() as local:
-        port = start_webhook(local, name="webhook", env={"VRAMSHARE_SETTLE_S": "2"})[1]
-        local.apply_objects([webhook_configuration(local, ports={"ctl": port})])
-        local.create_namespace("jobs", {"vramshare-e2e/shard": "ctl"})
-        start_controller(local, name="controller-1", env=CONTROLLER_ENV)
+    with controller_stack() as local:
         yield local
 
 
 @pytest.fixture(scope="module")
 def core(stack: LocalCluster) -> client.CoreV1Api:
     return client.CoreV1Api(config.new_client_from_config(config_file=str(stack.kubeconfig)))
-
-
-def devices(stack: LocalCluster) -> dict[str, dict[str, Any]]:
-    items = json.loads(stack.kubectl("get", "gpudevices", "-o", "json"))["items"]
-    return {d["spec"]["uuid"]: d for d in items}
-
-
-def reservation(stack: LocalCluster, name: str, namespace: str = "jobs") -> dict[str, Any]:
-    return json.loads(stack.kubectl("get", "gpureservation", name, "-n", namespace, "-o", "json"))
-
-
-def phase_of(stack: LocalCluster, name: str) -> str | None:
-    return reservation(stack, name).get("status", {}).get("phase")
-
-
-def gpu_pod(name: str, mib: int, *, run: str | None = None, node: str | None = None) -> client.V1Pod:
-    annotations = {"gpu-mem-mb": str(mib)}
-    if run:
-        annotations[RUN_DURATION_ANNOTATION] = run
-    return client.V1Pod(
-        metadata=client.V1ObjectMeta(name=name, annotations=annotations),
-        spec=client.V1PodSpec(
-            containers=[client.V1Container(name="base", image="example.invalid/task")],
-            restart_policy="Never",
-            node_selector={"kubernetes.io/hostname": node} if node else None,
-        ),
-    )
-
-
-def events_for(core: client.CoreV1Api, namespace: str, name: str) -> list[client.CoreV1Event]:
-    return [e for e in core.list_namespaced_event(namespace).items if e.involved_object.name == name]
 
 
 def test_devices_appear_and_follow_used_memory(stack: LocalCluster) -> None:
@@ -503,287 +455,3 @@ def test_invalid_setting_stops_the_controller_with_a_clear_message() -> None:
     )
     assert result.returncode == 2
     assert "VRAMSHARE_POLL_INTERVAL_S='soon' is not valid: expected a number" in result.stderr
-
-
-def a_booking_to_show(stack: LocalCluster, name: str) -> None:
-    """A booking in `jobs` for the status command to show, once every GPU is known: the tests of
-    the command make their own, so that each passes run alone (`-k`) as in the module."""
-    fleet = stack.settings.fleet
-    eventually(lambda: len(devices(stack)) == len(fleet.all_gpus()), what="GpuDevices")
-    _, gpu = fleet.all_gpus()[1]
-    booking = bare_booking(
-        name=name,
-        namespace="jobs",
-        pod=f"{name}-pod",
-        node="gpu-node-a",
-        uuid=gpu.uuid,
-        index=gpu.index,
-        mib=1024,
-    )
-    stack.kubectl("create", "-f", "-", stdin=json.dumps(booking))
-
-
-def test_vramshare_status_against_the_stack(stack: LocalCluster) -> None:
-    """Run as an installed command with the cluster's kubeconfig, as a person or kubectl would. The
-    test makes the booking it looks for: run alone (`-k`), it found none before."""
-    a_booking_to_show(stack, "shown-by-status")
-    cli = Path(sys.executable).parent / "kubectl-vramshare"
-    table = subprocess.run(
-        [str(cli), "status", "--kubeconfig", str(stack.kubeconfig)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    ).stdout
-    assert table.startswith("GPUs\nNODE")
-    assert "gpu-node-b" in table
-    assert "Reservations\nNAMESPACE" in table
-    data = json.loads(
-        subprocess.run(
-            [str(cli), "status", "-o", "json", "--kubeconfig", str(stack.kubeconfig)],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=True,
-        ).stdout
-    )
-    api = {d["spec"]["uuid"]: d["status"]["headroomMiB"] for d in devices(stack).values()}
-    listed = {g["uuid"]: g["headroom_mib"] for g in data["gpus"]}
-    assert set(listed) == set(api)
-    names = {r["name"] for r in data["reservations"]}
-    assert "shown-by-status" in names
-    bad = subprocess.run(
-        [str(cli), "status", "--kubeconfig", "/nonexistent"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert bad.returncode == 1
-    assert bad.stderr.startswith("vramshare status: cannot read the cluster:")
-
-
-def test_the_kubectl_plugin_takes_kubectls_flags(stack: LocalCluster) -> None:
-    """--context, -n, -o yaml|wide and -w, as `kubectl vramshare status ...` is used."""
-    a_booking_to_show(stack, "shown-by-the-plugin")
-    cli = Path(sys.executable).parent / "kubectl-vramshare"
-    context = stack.kubectl("config", "current-context").strip()
-
-    def run(*args: str) -> str:
-        return subprocess.run(
-            [str(cli), "status", "--kubeconfig", str(stack.kubeconfig), "--context", context, *args],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=True,
-        ).stdout
-
-    everywhere = yaml.safe_load(run("-o", "yaml", "-A"))
-    in_jobs = yaml.safe_load(run("-o", "yaml", "-n", "jobs"))
-    assert {r["namespace"] for r in in_jobs["reservations"]} == {"jobs"}
-    assert len(everywhere["reservations"]) >= len(in_jobs["reservations"]) > 0
-    wide = run("-o", "wide", "-n", "jobs")
-    assert "RESERVATION" in wide
-    wrong = subprocess.run(
-        [str(cli), "status", "--kubeconfig", str(stack.kubeconfig), "--context", "no-such-context"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert wrong.returncode == 1
-    assert "no-such-context" in wrong.stderr
-    # -w prints again when something changes, until interrupted.
-    watching = subprocess.Popen(
-        [str(cli), "status", "--kubeconfig", str(stack.kubeconfig), "-w", "--interval", "0.5", "-n", "jobs"],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    assert watching.stdout is not None
-    printed: list[str] = []
-    reader = threading.Thread(target=lambda: printed.extend(iter(watching.stdout.readline, "")), daemon=True)  # type: ignore[union-attr]
-    reader.start()
-    try:
-        # Started (imports take a while on a busy machine) and printed twice: the sample ages move.
-        eventually(
-            lambda: sum(line.startswith("GPUs") for line in printed) >= 2, what="two prints", timeout_s=60
-        )
-    finally:
-        watching.send_signal(signal.SIGINT)
-        watching.wait(timeout=20)
-    assert watching.returncode == 0
-
-
-def test_the_krew_package_installs_with_krew_and_runs_on_a_bare_python(
-    stack: LocalCluster, tmp_path: Path
-) -> None:
-    """The archive and manifest a release ships: validated by krew's own validator, installed by krew
-    from the archive, and run with a Python that has no site-packages (all it needs is inside)."""
-    plugin = build_plugin(tmp_path / "dist", version="0.1.0", show=False)
-    bin_dir = tools_bin_dir()
-    validated = subprocess.run(
-        [str(bin_dir / "validate-krew-manifest"), "-manifest", str(plugin.manifest), "-skip-install"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert validated.returncode == 0, validated.stderr
-    assert "structural validation OK" in validated.stderr
-    spec = yaml.safe_load(plugin.manifest.read_text())["spec"]
-    assert {p["sha256"] for p in spec["platforms"]} == {plugin.sha256}
-    assert {p["uri"] for p in spec["platforms"]} == {
-        "https://github.com/vramshare/vramshare/releases/download/v0.1.0/kubectl-vramshare-v0.1.0.tar.gz"
-    }
-    # kubectl finds krew as kubectl-krew, and the plugin's `python3` is one without site-packages.
-    shims = tmp_path / "bin"
-    shims.mkdir()
-    (shims / "kubectl-krew").symlink_to(bin_dir / "krew")
-    (shims / "kubectl").symlink_to(bin_dir / "kubectl")
-    (shims / "python3").write_text(f'#!/bin/sh\nexec {sys.executable} -I -S "$@"\n')
-    (shims / "python3").chmod(0o755)
-    krew_root = tmp_path / "krew"
-    env = {
-        "PATH": f"{krew_root / 'bin'}:{shims}:/usr/bin:/bin",
-        "KREW_ROOT": str(krew_root),
-        "HOME": str(tmp_path),
-    }
-
-    def kubectl(*args: str) -> str:
-        done = subprocess.run(
-            ["kubectl", *args], capture_output=True, text=True, env=env, timeout=120, check=False
-        )
-        assert done.returncode == 0, done.stderr
-        return done.stdout
-
-    kubectl("krew", "install", f"--manifest={plugin.manifest}", f"--archive={plugin.archive}")
-    assert (krew_root / "store" / "vramshare" / "v0.1.0" / "LICENSE").is_file()
-    shown = kubectl("vramshare", "status", "--kubeconfig", str(stack.kubeconfig), "-o", "json")
-    api = {d["spec"]["uuid"] for d in devices(stack).values()}
-    assert {g["uuid"] for g in json.loads(shown)["gpus"]} == api
-
-
-# -- bookings that outlive their reservation's deletion (issue #30, 5) -----------------------------
-
-TERMINATING = "e2e.vramshare.io/terminating"
-"""A finalizer of the test's own on a pod: it keeps the pod deleted but present, Running, as a pod in
-its graceful termination is (kwok removes a deleted pod only once it has no finalizers)."""
-
-
-def terminating_pod(name: str, mib: int) -> client.V1Pod:
-    pod = gpu_pod(name, mib)
-    pod.metadata.finalizers = [TERMINATING]
-    return pod
-
-
-def counted(stack: LocalCluster, pod: client.V1Pod) -> None:
-    """Until the controller's published view of the pod's GPU counts its booking (a poll away)."""
-    uuid, mib = pod.metadata.annotations[ANNOTATION_GPU_UUID], int(pod.metadata.annotations["gpu-mem-mb"])
-    eventually(lambda: devices(stack)[uuid]["status"]["reservedMiB"] >= mib, what="the booking counted")
-
-
-def keeps_counting(
-    stack: LocalCluster,
-    core: client.CoreV1Api,
-    *,
-    namespace: str,
-    pod: client.V1Pod,
-    event: bool = True,
-    deleted: bool = True,
-) -> str:
-    """Wait until the pod is terminating and (`deleted`) its booking's deletion requested, then check
-    for 4 s (four lifecycle sweeps) that the booking stays, not ended, counted in its GPU's reserved
-    memory, and (`event`) that an event says why; returns its name. A namespace being deleted takes no
-    new events."""
-    name = pod.metadata.annotations[ANNOTATION_RESERVATION]
-    uuid = pod.metadata.annotations[ANNOTATION_GPU_UUID]
-    mib = int(pod.metadata.annotations["gpu-mem-mb"])
-    eventually(
-        lambda: core.read_namespaced_pod(pod.metadata.name, namespace).metadata.deletion_timestamp,
-        what="the pod terminating",
-    )
-    if deleted:
-        eventually(
-            lambda: reservation(stack, name, namespace)["metadata"].get("deletionTimestamp"),
-            what="the booking's deletion requested",
-        )
-    until = time.monotonic() + 4
-    while time.monotonic() < until:
-        res = reservation(stack, name, namespace)  # still there: a NotFound fails the test
-        assert res["status"]["phase"] == "Reserved", res["status"]  # as admitted: nothing ended it
-        assert devices(stack)[uuid]["status"]["reservedMiB"] >= mib
-        time.sleep(0.5)
-    if not event:
-        return name
-    messages = [e.message for e in events_for(core, namespace, name) if e.reason == "ReleaseWaitsForPod"]
-    assert messages, "no ReleaseWaitsForPod event"
-    assert f"stay booked until pod {pod.metadata.name} has terminated" in messages[0], messages
-    return name
-
-
-def gone_after_the_pod(
-    stack: LocalCluster, core: client.CoreV1Api, *, namespace: str, pod: str, res: str
-) -> float:
-    """Let the pod finish terminating; returns how long its booking then took to go."""
-    core.patch_namespaced_pod(pod, namespace, {"metadata": {"finalizers": None}})
-    started = time.monotonic()
-    eventually(
-        lambda: "NotFound" in stack.kubectl("get", "gpureservation", res, "-n", namespace, check=False),
-        what="the booking gone with its pod",
-        timeout_s=15,
-    )
-    return time.monotonic() - started
-
-
-def test_a_deleted_namespace_keeps_its_bookings_until_its_pods_are_gone(
-    stack: LocalCluster, core: client.CoreV1Api
-) -> None:
-    """Before Kubernetes 1.33 (KEP-5080, ordered namespace deletion: beta and on by default in 1.33,
-    GA in 1.34) the namespace controller deleted every resource of a namespace at once, pods and
-    GpuReservations together, while the pods could still be terminating with their GPU memory in use.
-    This control plane (1.37) deletes the pods first and the rest once they are gone, so the test does
-    by hand what the older namespace controller did: delete the namespace's GpuReservations as well.
-    Before: the booking was gone at once."""
-    ns = "doomed"
-    stack.create_namespace(ns, {"vramshare-e2e/shard": "ctl"})
-    pod = core.create_namespaced_pod(ns, terminating_pod("still-running", 3000))
-    res = pod.metadata.annotations[ANNOTATION_RESERVATION]
-    eventually(lambda: shown_phase_of(stack.kubectl, ns, res) == "Bound", what="Bound")
-    counted(stack, pod)
-    core.delete_namespace(ns)
-    # 1.37's namespace controller leaves the booking alone while the pod is there (ordered deletion)...
-    eventually(
-        lambda: core.read_namespaced_pod("still-running", ns).metadata.deletion_timestamp,
-        what="the pod terminating",
-    )
-    time.sleep(2)
-    assert not reservation(stack, res, ns)["metadata"].get("deletionTimestamp")
-    # ...an older one deleted it with everything else at once.
-    stack.kubectl("delete", "gpureservations", "--all", "-n", ns, "--wait=false")
-    keeps_counting(stack, core, namespace=ns, pod=pod, event=False)
-    took = gone_after_the_pod(stack, core, namespace=ns, pod="still-running", res=res)
-    eventually(
-        lambda: "NotFound" in stack.kubectl("get", "namespace", ns, check=False),
-        what="the namespace gone",
-        timeout_s=30,
-    )
-    print(f"\nnamespace deletion: the booking counted while its pod terminated, gone {took:.2f} s after it")
-
-
-def test_foreground_deletion_of_a_pod_keeps_its_booking_until_the_pod_is_gone(
-    stack: LocalCluster, core: client.CoreV1Api
-) -> None:
-    """Foreground deletion deletes the pod's dependents first, while the pod terminates: once the
-    booking through its ownerReference (before issue #30 it was gone at once). Since issue #31
-    vramshare writes no ownerReference, so the booking is not a dependent: it is not deleted at all
-    while its pod terminates, and the controller deletes it once the pod is gone. A booking of an
-    older vramshare, which has one, is deleted and kept by its finalizer (the namespace test above)."""
-    pod = core.create_namespaced_pod("jobs", terminating_pod("foreground", 3000))
-    res = pod.metadata.annotations[ANNOTATION_RESERVATION]
-    eventually(lambda: shown_phase_of(stack.kubectl, "jobs", res) == "Bound", what="Bound")
-    counted(stack, pod)
-    core.delete_namespaced_pod("foreground", "jobs", propagation_policy="Foreground")
-    keeps_counting(stack, core, namespace="jobs", pod=pod, event=False, deleted=False)
-    assert not reservation(stack, res)["metadata"].get("deletionTimestamp")
-    took = gone_after_the_pod(stack, core, namespace="jobs", pod="foreground", res=res)
-    print(f"\nforeground deletion: the booking counted while its pod terminated, gone {took:.2f} s after it")
