@@ -14,8 +14,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from vramshare.domain.grants import remainder
 from vramshare.domain.headroom import headroom_mib
-from vramshare.domain.models import Gpu, Reservation
+from vramshare.domain.models import Gpu, Reservation, ReservationPhase
 from vramshare.domain.tenancy import Holding, Holdings, awaits_its_pod, creator_of, holding_of
 
 
@@ -47,6 +48,10 @@ class LedgerIndex:
         """User -> MiB of their bookings whose pod has not appeared."""
         self._pending_bookings: dict[str, Reservation] = {}
         """The bookings whose pod has not appeared (few: each ends within a second, or its TTL)."""
+        self._granted: dict[tuple[str, str], int] = {}
+        """(grant key, GPU UUID) -> MiB of the active grant (`vramshare.domain.grants`)."""
+        self._inside: dict[tuple[str, str], int] = {}
+        """(grant key, GPU UUID) -> MiB of the active bookings made inside that grant."""
         self._memo: dict[str, tuple[Gpu, float, int, bool, tuple[int, int, int]]] = {}
         """GPU UUID -> its figures as last computed, with what they were computed from (`figures_by`);
         dropped whenever a booking on the GPU comes or goes."""
@@ -66,6 +71,10 @@ class LedgerIndex:
         self._members[key] = reservation
         self._memo.pop(reservation.gpu_uuid, None)
         sums = self._sums.setdefault(reservation.gpu_uuid, _GpuSums())
+        if reservation.phase is ReservationPhase.GRANTED or reservation.grant:
+            self._grant_change(reservation, sums, sign=1)
+        if reservation.phase is ReservationPhase.GRANTED:
+            return
         sums.reserved_mib += reservation.mib
         if reservation.pod_running_since is None:
             sums.not_started_mib += reservation.mib
@@ -109,6 +118,10 @@ class LedgerIndex:
             return
         self._memo.pop(old.gpu_uuid, None)
         sums = self._sums[old.gpu_uuid]
+        if old.phase is ReservationPhase.GRANTED or old.grant:
+            self._grant_change(old, sums, sign=-1)
+        if old.phase is ReservationPhase.GRANTED:
+            return
         sums.reserved_mib -= old.mib
         if old.pod_running_since is None:
             sums.not_started_mib -= old.mib
@@ -119,6 +132,31 @@ class LedgerIndex:
             del holds[key]
             if not holds:
                 del self._holds[old.held_for]
+
+    def _grant_change(self, reservation: Reservation, sums: _GpuSums, *, sign: int) -> None:
+        """A grant, or a booking inside one, came (+1) or went (-1): the grant's remainder, which
+        counts as booked and not started (`vramshare.domain.grants`), moves by what changed."""
+        granting = reservation.phase is ReservationPhase.GRANTED
+        at = (reservation.key if granting else reservation.grant, reservation.gpu_uuid)
+        before = self._remainder(at)
+        table = self._granted if granting else self._inside
+        left = table.get(at, 0) + sign * reservation.mib
+        if left:
+            table[at] = left
+        else:
+            table.pop(at, None)
+        change = self._remainder(at) - before
+        sums.reserved_mib += change
+        sums.not_started_mib += change
+
+    def _remainder(self, at: tuple[str, str]) -> int:
+        granted = self._granted.get(at)
+        return 0 if granted is None else remainder(grant_mib=granted, inside_mib=self._inside.get(at, 0))
+
+    def grant_remainder(self, key: str, gpu_uuid: str) -> int | None:
+        """What the grant `key` on that GPU still holds; None when no such grant is active."""
+        at = (key, gpu_uuid)
+        return self._remainder(at) if at in self._granted else None
 
     def booked(self, gpu: Gpu, *, settle_s: float) -> tuple[int, int]:
         """(reserved, unseen) MiB on `gpu` for its current sample."""

@@ -2,7 +2,8 @@
 
     headroom = min(free_live - R_unseen, total - R_all) - safety_margin
 
-- `R_all`: memory of every active reservation on the GPU.
+- `R_all`: memory of every active reservation on the GPU (of a grant, what its bookings do not use
+  yet: `vramshare.domain.grants`).
 - `R_unseen`: the part of `R_all` whose usage cannot show in the sample yet, because its pod had not
   been running for at least `settle_s` seconds when DCGM took the sample (not started, or still
   loading its model). A pod that has settled is already counted in `used`, so subtracting it again from
@@ -21,7 +22,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from vramshare.domain.models import Gpu, Reservation
+from vramshare.domain.grants import remainder
+from vramshare.domain.models import Gpu, Reservation, ReservationPhase
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -48,15 +50,27 @@ def is_unseen(reservation: Reservation, *, sampled_at: float, settle_s: float) -
 
 
 def booked(gpu: Gpu, reservations: Iterable[Reservation], *, settle_s: float) -> tuple[int, int]:
-    """(reserved, unseen) MiB of the active reservations on `gpu` among `reservations`."""
+    """(reserved, unseen) MiB of the active reservations on `gpu` among `reservations`. A grant counts
+    its remainder, as a booking whose pod has not started (`vramshare.domain.grants`)."""
     reserved = 0
     unseen = 0
+    grants: dict[str, int] = {}
+    inside: dict[str, int] = {}
     for r in reservations:
         if r.gpu_uuid != gpu.uuid or not r.is_active:
             continue
+        if r.phase is ReservationPhase.GRANTED:
+            grants[r.key] = grants.get(r.key, 0) + r.mib
+            continue
+        if r.grant:
+            inside[r.grant] = inside.get(r.grant, 0) + r.mib
         reserved += r.mib
         if is_unseen(r, sampled_at=gpu.sampled_at, settle_s=settle_s):
             unseen += r.mib
+    for key, mib in grants.items():
+        left = remainder(grant_mib=mib, inside_mib=inside.get(key, 0))
+        reserved += left
+        unseen += left
     return reserved, unseen
 
 

@@ -4,19 +4,20 @@
     Queued --its pod finished or was deleted--> Released
     Queued --no pod within the TTL--> Expired
     Held --its task was admitted (the webhook deletes it) or the hold limit passed--> Expired
+    Granted --its replica gave it back (deletes it), or did not renew it in time--> Expired
     Reserved --its pod exists--> Bound --its pod finished or was deleted--> Released
     Reserved --its pod was seen, and deleted before it was bound--> Released
     Reserved --no pod within the TTL--> Expired --its pod appears after all--> Bound
     Bound --its GPU is missing--> Lost --the GPU is back--> Bound
     Lost --its pod finished or was deleted--> Released
 
-Reserved, Bound, Lost and Held hold memory; Queued holds a place in the queue and no memory. A GPU whose
-metrics blink (its DCGM series missing for a while) must not lose the bookings of pods that still run on
-it: Lost keeps counting, so when the GPU returns its memory is still booked and no new pod is admitted
-into it. Expired is the fate of a booking whose pod never appeared (rejected after vramshare admitted
-it: a quota, a policy, a name already taken, or the API server giving up on the request); the TTL is
-short, so such bookings stop counting quickly. If the pod does appear late, the booking counts again
-rather than leave a running pod unbooked.
+Reserved, Bound, Lost, Held and Granted hold memory; Queued holds a place in the queue and no memory. A
+GPU whose metrics blink (its DCGM series missing for a while) must not lose the bookings of pods that
+still run on it: Lost keeps counting, so when the GPU returns its memory is still booked and no new pod
+is admitted into it. Expired is the fate of a booking whose pod never appeared (rejected after vramshare
+admitted it: a quota, a policy, a name already taken, or the API server giving up on the request); the
+TTL is short, so such bookings stop counting quickly. If the pod does appear late, the booking counts
+again rather than leave a running pod unbooked.
 
 When a pod that exists is bound is the controller's choice (it waits briefly for the pod to run, so
 that one write records both: `vramshare.controller.reservations`). Released and Expired are ended;
@@ -57,13 +58,15 @@ def next_phase(
     ttl_s: float,
     seen: bool = False,
     hold_limit_s: float = float("inf"),
+    grant_lapses_after_s: float = float("inf"),
 ) -> Transition | None:
     """The transition a reservation takes now, or None when it stays where it is.
 
     `age_s` is the time since the reservation was committed; `ttl_s` how long a Reserved reservation
     may wait for its pod. `seen`: its pod was seen once (a Queued entry whose pod is gone left the queue;
     a Reserved booking whose pod was deleted before it was bound is released, not expired).
-    `hold_limit_s`: how long a hold lasts.
+    `hold_limit_s`: how long a hold lasts. For a grant, `age_s` is how long it has gone unrenewed, and
+    `grant_lapses_after_s` how long it may (`vramshare.domain.grants`).
     """
     if phase is ReservationPhase.EXPIRED:
         if pod is PodState.ACTIVE:
@@ -81,6 +84,17 @@ def next_phase(
                 phase=ReservationPhase.EXPIRED,
                 reason="HoldLapsed",
                 message=f"its task did not come back within {hold_limit_s:g} s; the memory is free again",
+            )
+        return None
+    if phase is ReservationPhase.GRANTED:  # no pod either: it lasts while its replica renews it
+        if age_s >= grant_lapses_after_s:
+            return Transition(
+                phase=ReservationPhase.EXPIRED,
+                reason="GrantLapsed",
+                message=(
+                    f"its webhook replica did not renew it for {grant_lapses_after_s:g} s; the memory "
+                    "it held for that replica's pods is free again"
+                ),
             )
         return None
     if pod is PodState.FINISHED:

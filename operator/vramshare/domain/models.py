@@ -22,6 +22,7 @@ class ReservationPhase(StrEnum):
     EXPIRED = "Expired"  # no pod appeared within the TTL
     LOST = "Lost"  # its GPU is missing from the inventory while its pod still runs: still booked
     HELD = "Held"  # memory kept on one GPU for a refused large request's next try (no pod)
+    GRANTED = "Granted"  # room one webhook replica books its pods in (no pod; see domain.grants)
 
     @property
     def is_active(self) -> bool:
@@ -31,6 +32,7 @@ class ReservationPhase(StrEnum):
             ReservationPhase.BOUND,
             ReservationPhase.LOST,
             ReservationPhase.HELD,
+            ReservationPhase.GRANTED,
         )
 
     @property
@@ -135,6 +137,12 @@ class Reservation:
     never pending (see `vramshare.domain.tenancy`)."""
     pod_seen: bool = False
     """The controller has seen its pod (and recorded it in the reservation's status)."""
+    grant: str = ""
+    """For a booking made inside a grant (`vramshare.domain.grants`): the grant's key, namespace/name."""
+
+    @property
+    def key(self) -> str:
+        return f"{self.namespace}/{self.name}"
 
     @property
     def is_active(self) -> bool:

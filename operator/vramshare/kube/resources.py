@@ -34,6 +34,15 @@ LABEL_ACTIVE = "vramshare.io/active"
 webhook lists only the live ledger, not the history kept for the retention period."""
 LABEL_HELD_FOR = "vramshare.io/held-for"
 """On holds (phase Held): the key of the task the memory is kept for (a hash of its Airflow identity)."""
+LABEL_GRANTED_TO = "vramshare.io/granted-to"
+"""On grants (phase Granted, `vramshare.domain.grants`): a hash of the webhook replica that holds it (its
+name is in the annotation vramshare.io/granted-to-replica and in spec.podName)."""
+ANNOTATION_GRANTED_TO = "vramshare.io/granted-to-replica"
+ANNOTATION_GRANT_LASTS = "vramshare.io/grant-lasts-s"
+"""On grants: how long the grant lasts unrenewed (seconds); the controller ends it after that and a
+margin."""
+ANNOTATION_GRANT_RENEWED = "vramshare.io/grant-renewed"
+"""On grants: a count its holder moves on every renewal (any change is a renewal to the controller)."""
 LABEL_SET = "vramshare.io/reservation-set"
 """On the reservations of a pod with several GPUs (one per GPU): the name the pod's
 `vramshare.io/reservation` label carries, which is the first one's name."""

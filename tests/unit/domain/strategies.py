@@ -41,17 +41,22 @@ def gpus(draw: st.DrawFn) -> Gpu:
 @st.composite
 def reservations(draw: st.DrawFn) -> Reservation:
     started = draw(st.none() | st.floats(NOW - 1_000, NOW))
+    phase = draw(st.sampled_from(list(ReservationPhase)))
     return Reservation(
-        name=f"r-{draw(st.integers(0, 10**6))}",
+        # A few names are shared, so that bookings name grants that are there (`grant`).
+        name=f"r-{draw(st.integers(0, 3) | st.integers(0, 10**6))}",
         namespace="ns",
         pod="p",
         mib=draw(st.integers(1, 60_000)),
         node="node-a",
         gpu_uuid=draw(st.sampled_from(UUIDS)),
         gpu_index=0,
-        phase=draw(st.sampled_from(list(ReservationPhase))),
+        phase=phase,
         reserved_at=NOW - 1_000,
-        pod_running_since=started,
+        pod_running_since=None if phase is ReservationPhase.GRANTED else started,
+        grant=""
+        if phase is ReservationPhase.GRANTED
+        else draw(st.sampled_from(["", "", "ns/r-0", "ns/r-1"])),
     )
 
 
@@ -79,3 +84,19 @@ requests = st.builds(
     pod=st.just("p"),
     nodes=st.none() | st.frozensets(st.sampled_from(["node-a", "node-b", "node-c"]), max_size=2),
 )
+
+
+def booked_by_definition(gpu: Gpu, ledger: list[Reservation]) -> int:
+    """R_all as `vramshare.domain.grants` defines it, written out apart from the code under test: every
+    active booking, and of every active grant what the bookings inside it do not use."""
+    on = [r for r in ledger if r.is_active and r.gpu_uuid == gpu.uuid]
+    grants = {f"{r.namespace}/{r.name}" for r in on if r.phase is ReservationPhase.GRANTED}
+    pods = sum(r.mib for r in on if r.phase is not ReservationPhase.GRANTED)
+    left = 0
+    for key in grants:
+        granted = sum(
+            r.mib for r in on if r.phase is ReservationPhase.GRANTED and f"{r.namespace}/{r.name}" == key
+        )
+        inside = sum(r.mib for r in on if r.phase is not ReservationPhase.GRANTED and r.grant == key)
+        left += max(0, granted - inside)
+    return pods + left

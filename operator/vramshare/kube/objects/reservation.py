@@ -7,13 +7,17 @@ from functools import cached_property
 from typing import Self
 
 from vramshare.domain import Gpu, Reservation, ReservationPhase
+from vramshare.domain.grants import MAX_LASTS_S, MIN_LASTS_S
 from vramshare.kube.objects.meta import Meta, Obj, _put
 from vramshare.kube.resources import (
+    ANNOTATION_GRANT_LASTS,
+    ANNOTATION_GRANTED_TO,
     API_VERSION,
     FINALIZER_POD_GONE,
     LABEL_ACTIVE,
     LABEL_COMMITTED,
     LABEL_GPU,
+    LABEL_GRANTED_TO,
     LABEL_HELD_FOR,
     LABEL_QUEUED,
     LABEL_SET,
@@ -36,6 +40,8 @@ class ReservationSpec:
     admitted_user: str = ""
     gpu_count: int = 1
     """How many GPUs its pod has (one reservation each, sharing the label vramshare.io/reservation-set)."""
+    grant: str = ""
+    """Made inside a grant (`vramshare.domain.grants`): the grant's namespace/name."""
 
     @classmethod
     def from_wire(cls, obj: Obj) -> Self:
@@ -48,6 +54,7 @@ class ReservationSpec:
             admission_uid=obj.get("admissionUID", ""),
             admitted_user=obj.get("admittedUser", ""),
             gpu_count=int(obj.get("gpuCount", 1)),
+            grant=obj.get("grant", ""),
         )
 
     @property
@@ -64,6 +71,8 @@ class ReservationSpec:
             out["admittedUser"] = self.admitted_user
         if self.gpu_count > 1:
             out["gpuCount"] = self.gpu_count
+        if self.grant:
+            out["grant"] = self.grant
         return out
 
 
@@ -189,6 +198,37 @@ class GpuReservation:
         )
 
     @classmethod
+    def granted(
+        cls, *, name: str, namespace: str, mib: int, gpu: Gpu, holder: str, holder_hash: str, lasts_s: float
+    ) -> GpuReservation:
+        """A grant as a webhook replica takes it: `mib` on `gpu` for `holder`'s pods
+        (`vramshare.domain.grants`). No pod, so no finalizer; labelled with the holder's hash."""
+        return GpuReservation(
+            meta=Meta(
+                name=name,
+                namespace=namespace,
+                labels={
+                    LABEL_GPU: device_name(gpu.uuid),
+                    LABEL_ACTIVE: "true",
+                    LABEL_GRANTED_TO: holder_hash,
+                    "app.kubernetes.io/managed-by": "vramshare",
+                },
+                annotations={ANNOTATION_GRANTED_TO: holder, ANNOTATION_GRANT_LASTS: f"{lasts_s:g}"},
+            ),
+            spec=ReservationSpec(
+                pod_name=f"(granted to {holder})"[:254],
+                memory_mib=mib,
+                node_name=gpu.node,
+                gpu_uuid=gpu.uuid,
+                gpu_index=gpu.index,
+            ),
+        )
+
+    def inside(self, grant_key: str) -> GpuReservation:
+        """This booking, made inside the grant `grant_key`."""
+        return replace(self, spec=replace(self.spec, grant=grant_key))
+
+    @classmethod
     def queued(
         cls, *, name: str, namespace: str, pod: str, mib: int, admission_uid: str, user: str = ""
     ) -> GpuReservation:
@@ -244,6 +284,8 @@ class GpuReservation:
         # Reserved is also what the API server shows where nothing was written (the CRD's default).
         if recorded in (None, ReservationPhase.RESERVED) and self.held_for:
             return ReservationPhase.HELD
+        if recorded in (None, ReservationPhase.RESERVED) and self.granted_to:
+            return ReservationPhase.GRANTED
         if recorded is None or recorded is ReservationPhase.QUEUED:
             return ReservationPhase.RESERVED if self.spec.placed else ReservationPhase.QUEUED
         if not self.spec.placed and recorded in _PLACED_PHASES:
@@ -266,6 +308,22 @@ class GpuReservation:
     def held_for(self) -> str:
         """For a hold: the key of the task it keeps memory for."""
         return self.meta.labels.get(LABEL_HELD_FOR, "")
+
+    @property
+    def granted_to(self) -> str:
+        """For a grant: the hash of the webhook replica that holds it."""
+        return self.meta.labels.get(LABEL_GRANTED_TO, "")
+
+    @property
+    def grant_lasts_s(self) -> float:
+        """For a grant: how long it lasts unrenewed, as its holder wrote it. A value that does not parse,
+        or lies outside 3..3600 s, reads as the longest: ending a grant too late costs room for a while,
+        ending it too early could let two pods share its memory."""
+        try:
+            lasts = float(self.meta.annotations.get(ANNOTATION_GRANT_LASTS, ""))
+        except ValueError:
+            return MAX_LASTS_S
+        return lasts if MIN_LASTS_S <= lasts <= MAX_LASTS_S else MAX_LASTS_S
 
     @property
     def queue_entry(self) -> bool:
@@ -306,4 +364,5 @@ class GpuReservation:
             queue_entry=self.queue_entry,
             pod_label=self.pod_label,
             pod_seen=bool(self.status.pod_uid),
+            grant=self.spec.grant,
         )
