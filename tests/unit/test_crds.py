@@ -69,6 +69,7 @@ def test_reservation_columns_point_at_real_fields() -> None:
         "Expired",
         "Lost",
         "Held",
+        "Granted",
     ]
     assert schema_field(crd, ".spec.memoryMiB")["minimum"] == 1
 
