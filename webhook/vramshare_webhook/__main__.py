@@ -20,6 +20,7 @@ from vramshare.domain.scheduling import NodeView
 from vramshare.kube.client import Connection, KubeClient
 from vramshare.kube.lease_watch import HeartbeatSource, LeaseHeartbeat
 from vramshare.kube.ledger import KubeLedger
+from vramshare.kube.ledger.grants import Grants
 from vramshare.kube.pods import node_view
 from vramshare.kube.replicas import ReplicaEndpoints, ReplicaLeases
 from vramshare.kube.watch import WatchCache
@@ -83,6 +84,17 @@ async def serve(settings: WebhookSettings) -> None:
             # and counts from its pod's start, before the controller writes either.
             watch_pods=True,
         )
+        if settings.grants.enabled:
+            ledger.grants = Grants(
+                kube,
+                terms=settings.grants,
+                namespace=settings.namespace,
+                holder=settings.identity,
+                index=lambda: ledger.index,
+                clock=ledger.clock,
+                on_write=ledger.on_write,
+            )
+            ledger.on_inside_grant = metrics.grant_bookings.inc
         gpu_pods = ledger.pods
         assert gpu_pods is not None
         tls, secret = await _certificates(settings, kube)

@@ -58,6 +58,12 @@ class WebhookMetrics:
             "newer ledger token without deciding again.",
             registry=self.registry,
         )
+        self.grant_bookings = Counter(
+            "vramshare_webhook_grant_bookings",
+            "Pods booked inside one of this replica's grants: a create alone, no ledger token bump "
+            "(grant_pods).",
+            registry=self.registry,
+        )
         self.replicas_up = Gauge(
             "vramshare_webhook_replicas_up",
             "Webhook replicas this one sees up (pods ready behind its Service with replica_service, or "

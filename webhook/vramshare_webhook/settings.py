@@ -22,6 +22,7 @@ from vramshare.domain import (
     FairnessSettings,
     Policy,
 )
+from vramshare.domain.grants import MAX_LASTS_S, MIN_LASTS_S, GrantTerms
 from vramshare.domain.tenancy import (
     DEFAULT_PENDING_MIB_PER_NAMESPACE,
     DEFAULT_PENDING_MIB_PER_USER,
@@ -106,6 +107,16 @@ class WebhookSettings:
     GPU, so replicas deciding at once rarely pick the same one and conflict. 0: the strict policy."""
     identity: str = ""
     """This replica's name (the chart sets the pod name); defaults to hostname-pid."""
+    grant_pods: int = 0
+    """Grants (`vramshare.domain.grants`): a replica that books a pod on a GPU also takes room there for
+    this many more pods of its size (at most a quarter of the room left), in `namespace`, and books its
+    next pods inside it with a create alone, no ledger token bump. Other replicas count the grant's
+    unused part as booked until it is given back (idle for grant_idle_s, or at shutdown) or lapses.
+    0: no grants."""
+    grant_lasts_s: float = 15.0
+    """A grant lasts this long unrenewed (renewed every third of it); the controller ends it 2 s after."""
+    grant_idle_s: float = 10.0
+    """A grant nothing was booked in for this long is given back."""
     accounting: Accounting = field(default_factory=Accounting)
     """Shared with the controller: VRAMSHARE_SAFETY_MARGIN_MIB, _SETTLE_S, _MAX_SAMPLE_AGE_S, _STALE_MODE."""
     denial_code: int = 403
@@ -231,6 +242,10 @@ class WebhookSettings:
         )
 
     @property
+    def grants(self) -> GrantTerms:
+        return GrantTerms(pods=self.grant_pods, lasts_s=self.grant_lasts_s, idle_s=self.grant_idle_s)
+
+    @property
     def fairness(self) -> FairnessSettings:
         return FairnessSettings(hold_min_mib=self.hold_min_mib, hold_limit_s=self.hold_limit_s)
 
@@ -279,6 +294,14 @@ class WebhookSettings:
             raise invalid(
                 "retry_after_min_s", self.retry_after_min_s, f"1 to retry_after_s ({self.retry_after_s})"
             )
+        if not 0 <= self.grant_pods <= 1000:
+            raise invalid("grant_pods", self.grant_pods, "0 (no grants) to 1000")
+        if not MIN_LASTS_S <= self.grant_lasts_s <= MAX_LASTS_S:
+            raise invalid(
+                "grant_lasts_s", self.grant_lasts_s, f"seconds from {MIN_LASTS_S:g} to {MAX_LASTS_S:g}"
+            )
+        if not self.grant_idle_s > 0:
+            raise invalid("grant_idle_s", self.grant_idle_s, "a positive number of seconds")
         if self.hold_min_mib < 0:
             raise invalid("hold_min_mib", self.hold_min_mib, "0 (no holds) or more MiB")
         if self.max_holds < 0:

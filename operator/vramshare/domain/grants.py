@@ -37,6 +37,10 @@ from dataclasses import dataclass
 
 from vramshare.domain.models import Reservation, ReservationPhase
 
+MARGIN_S = 2.0
+"""How much earlier than the controller a holder stops trusting its grant (clock rates, and the time a
+create may take between its send and the API server storing it); the controller waits as much longer."""
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class GrantTerms:
@@ -47,9 +51,7 @@ class GrantTerms:
     """A grant takes room for this many pods the size of the one it is taken with; 0: no grants."""
     lasts_s: float = 15.0
     """A grant not renewed for this long (plus `margin_s`) has lapsed."""
-    margin_s: float = 2.0
-    """How much earlier than the controller the holder stops trusting its grant (clock rates, and the
-    time a create may take between its send and the API server storing it)."""
+    margin_s: float = MARGIN_S
     idle_s: float = 10.0
     """A grant with no booking inside for this long is given back."""
 

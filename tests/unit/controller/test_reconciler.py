@@ -462,3 +462,43 @@ async def test_a_pod_whose_containers_stopped_releases_its_booking_when_it_is_go
         gone = {**pod, "status": {"phase": "Running", "containerStatuses": [stopped]}}
         await reconciler.pod_changed(gone, deleted=True, presence=PRESENT)
         assert PATH not in kube.objects  # released, and gone with its pod
+
+
+async def test_a_grant_lapses_once_unchanged_for_its_duration_and_not_while_renewed() -> None:
+    """Judged by the controller's own clock from what it sees change, never by a timestamp."""
+    mono = [0.0]
+    async with setup() as (kube, reconciler):
+        reconciler._renewals.clock = lambda: mono[0]
+        grant = GpuReservation.granted(
+            name="g1",
+            namespace="vramshare",
+            mib=8192,
+            gpu_uuid="GPU-a",
+            node="node-a",
+            gpu_index=0,
+            holder="webhook-0",
+            holder_hash="abc",
+            lasts_s=3,
+        )
+        path = reservations_path("vramshare", "g1")
+        await kube.create(reservations_path("vramshare"), grant.to_wire())
+        await fed()
+        presence = PRESENT
+        for _ in range(3):  # renewed every 2 s of its 3 + 2: it stays
+            await reconciler.sweep(presence=presence)
+            mono[0] += 2
+            await kube.merge_patch(
+                path, {"metadata": {"annotations": {"vramshare.io/grant-renewed": str(mono[0])}}}
+            )
+            await fed()
+        await reconciler.sweep(presence=presence)
+        assert kube.objects[path]["status"]["phase"] == "Granted"
+        mono[0] += 4.9  # unrenewed, short of 3 + 2
+        await reconciler.sweep(presence=presence)
+        assert kube.objects[path]["status"]["phase"] == "Granted"
+        mono[0] += 0.2
+        await fed()
+        await reconciler.sweep(presence=presence)
+        assert kube.objects[path]["status"]["phase"] == "Expired"
+        assert kube.objects[path]["status"]["reason"] == "GrantLapsed"
+        assert kube.objects[path]["metadata"]["labels"]["vramshare.io/active"] == "false"

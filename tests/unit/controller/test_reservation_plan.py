@@ -429,3 +429,45 @@ def test_what_the_crds_default_shows_is_read_as_nothing_written() -> None:
     entry["spec"] = {"podName": "task", "memoryMiB": 4096}
     assert GpuReservation.from_wire(entry).phase is ReservationPhase.QUEUED
     assert make(obj("Reserved", age=1), None).empty
+
+
+def _grant(lasts: str = "15") -> GpuReservation:
+    return GpuReservation.granted(
+        name="vramshare-grant-1",
+        namespace="vramshare",
+        mib=8192,
+        gpu_uuid="GPU-a",
+        node="node-a",
+        gpu_index=0,
+        holder="webhook-0",
+        holder_hash="abc",
+        lasts_s=float(lasts),
+    )
+
+
+def test_a_grant_shows_as_granted_has_no_finalizer_and_lapses_only_unrenewed() -> None:
+    res = GpuReservation.from_wire(_grant().to_wire())
+    assert res.phase is ReservationPhase.GRANTED
+    kept = plan(
+        res=res, pod=None, gpu_missing=True, now=NOW + 10_000, ttl_s=20, retention_s=600, unrenewed_s=16.9
+    )
+    assert kept.transition is None  # its age and its missing pod say nothing about it
+    assert kept.finalizer is None
+    assert kept.status is not None
+    assert kept.status.phase is ReservationPhase.GRANTED  # kubectl shows it for what it is
+    lapsed = plan(res=res, pod=None, gpu_missing=False, now=NOW, ttl_s=20, retention_s=600, unrenewed_s=17)
+    assert lapsed.transition is not None
+    assert lapsed.transition.reason == "GrantLapsed"
+    assert lapsed.transition.phase is ReservationPhase.EXPIRED
+    assert lapsed.active_label == "false"
+
+
+def test_a_grant_whose_duration_does_not_read_lasts_the_longest() -> None:
+    """Ending a grant too late costs room for a while; too early could let two pods share memory."""
+    wire = _grant().to_wire()
+    for bad in ("soon", "0.5", "nan", "1e9"):
+        wire["metadata"]["annotations"]["vramshare.io/grant-lasts-s"] = bad
+        res = GpuReservation.from_wire(wire)
+        assert res.grant_lasts_s == 3600
+        kept = plan(res=res, pod=None, gpu_missing=False, now=NOW, ttl_s=20, retention_s=600, unrenewed_s=600)
+        assert kept.transition is None

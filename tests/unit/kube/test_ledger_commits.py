@@ -365,7 +365,7 @@ async def test_the_committed_label_is_retried_and_a_shutdown_waits_for_it(
     running: tuple[FakeKube, KubeLedger], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     kube, ledger = running
-    monkeypatch.setattr("vramshare.kube.ledger.commit.LABEL_BACKOFF_S", 0.05)
+    monkeypatch.setattr("vramshare.kube.ledger.writes.LABEL_BACKOFF_S", 0.05)
     failures = [2]
 
     def flaky(op: str, path: str) -> Exception | None:
@@ -388,7 +388,7 @@ async def test_a_label_that_keeps_failing_is_given_up_and_drain_is_bounded(
     running: tuple[FakeKube, KubeLedger], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     kube, ledger = running
-    monkeypatch.setattr("vramshare.kube.ledger.commit.LABEL_BACKOFF_S", 10.0)
+    monkeypatch.setattr("vramshare.kube.ledger.writes.LABEL_BACKOFF_S", 10.0)
     kube.fail = lambda op, path: (
         ApiError(status=503, reason="ServiceUnavailable", message="down")
         if op == "merge_patch" and "/gpureservations/" in path

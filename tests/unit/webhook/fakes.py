@@ -40,6 +40,13 @@ class MemoryLedger:
         """Bookings put into the view ahead of their commits (a set's)."""
         self.pods: set[str] = set()
         """Names of pods that exist."""
+        self.grant_rooms: list[int | None] = []
+        """Each commit's `grant_room_mib`."""
+        self.granted: dict[str, int] = {}
+        """What `grant_credit` answers: GPU UUID -> MiB this replica's grant there holds."""
+
+    def grant_credit(self, mib: int) -> dict[str, int]:
+        return {uuid: left for uuid, left in self.granted.items() if left >= mib}
 
     async def snapshot(self, *, fresh: bool = False) -> Snapshot:
         self.fresh_reads += fresh
@@ -76,7 +83,15 @@ class MemoryLedger:
     async def active_holds(self) -> list[GpuReservation]:
         return [o for o in self.objects if o.held_for and o.phase.is_active]
 
-    async def commit(self, *, reservation: GpuReservation, token: str, live: bool = False) -> GpuReservation:
+    async def commit(
+        self,
+        *,
+        reservation: GpuReservation,
+        token: str,
+        live: bool = False,
+        grant_room_mib: int | None = None,
+    ) -> GpuReservation:
+        self.grant_rooms.append(grant_room_mib)
         if self.hang_commit:
             await asyncio.sleep(3600)
         if self.conflicts:

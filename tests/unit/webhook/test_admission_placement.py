@@ -18,6 +18,7 @@ from tests.unit.webhook.fakes import (
     request,
 )
 from vramshare.domain import ReservationPhase
+from vramshare.kube.objects import GpuReservation
 from vramshare_webhook.admission import ClusterView
 
 
@@ -283,3 +284,53 @@ async def test_a_bad_gpu_count_is_a_400_naming_it(value: str) -> None:
     assert status["code"] == 400
     assert f'annotation "gpu-count" has value {value!r}' in status["message"]
     assert "between 1 and 2" in status["message"]
+
+
+def _granted(ledger: MemoryLedger, *, mib: int, on: str) -> None:
+    """This replica's grant of `mib` on GPU `on`, as every replica's ledger shows it."""
+    g = next(x for x in ledger.gpus if x.uuid == on)
+    ledger.objects.append(
+        GpuReservation.granted(
+            name="grant-1",
+            namespace="vramshare",
+            mib=mib,
+            gpu_uuid=g.uuid,
+            node=g.node,
+            gpu_index=g.index,
+            holder="webhook-0",
+            holder_hash="h",
+            lasts_s=15,
+        )
+    )
+    ledger.granted[on] = mib
+
+
+async def test_the_commit_is_told_the_room_a_grant_may_be_taken_from() -> None:
+    ledger = MemoryLedger()
+    ledger.gpus = (gpu("GPU-a", total=16_384, used=6_000),)
+    review = await admitter(ledger).review(request("1000"))
+    assert review["response"]["allowed"]
+    assert ledger.grant_rooms == [16_384 - 6_000 - 1000]
+
+
+async def test_the_policy_ranks_gpus_by_the_room_every_replica_sees_before_counting_grants() -> None:
+    """GPU-b has more room for this replica (its grant there), GPU-a more for everyone: spread picks
+    GPU-a, so grants do not pull every pod onto the GPUs this replica happens to hold them on."""
+    ledger = MemoryLedger()
+    ledger.gpus = (gpu("GPU-a", total=16_384, used=6_384), gpu("GPU-b", index=1, total=16_384))
+    _granted(ledger, mib=10_000, on="GPU-b")
+    review = await admitter(ledger).review(request("1000"))
+    assert review["response"]["allowed"]
+    assert ledger.objects[-1].spec.gpu_uuid == "GPU-a"
+
+
+async def test_a_pod_that_fits_only_inside_this_replicas_grant_is_placed_there() -> None:
+    ledger = MemoryLedger()
+    ledger.gpus = (gpu("GPU-a", total=16_384, used=14_000), gpu("GPU-b", index=1, total=8_192))
+    _granted(ledger, mib=6_000, on="GPU-b")  # others see 2 192 MiB left there
+    review = await admitter(ledger).review(request("3000"))
+    assert review["response"]["allowed"]
+    assert ledger.objects[-1].spec.gpu_uuid == "GPU-b"
+    ledger.granted.clear()  # another replica: the grant is not its own
+    refused = await admitter(ledger).review(request("3000", uid="u2"))
+    assert refused["response"]["status"]["code"] == 403

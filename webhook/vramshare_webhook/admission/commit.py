@@ -32,15 +32,21 @@ def bookings_for(intent: Intent, *, name: str, gpus: Sequence[Gpu]) -> list[GpuR
     ]
 
 
-async def commit_all(bookings: list[GpuReservation], snapshot: Snapshot, *, ledger: Ledger) -> str | None:
+async def commit_all(
+    bookings: list[GpuReservation], snapshot: Snapshot, *, ledger: Ledger, room_left_mib: int | None = None
+) -> str | None:
     """Commit every booking of one pod, each on its own GPU's token, all or nothing: when one loses
     its race the others are withdrawn and the UUID of the GPU that conflicted is returned. Until
-    they are withdrawn they only make other decisions more careful, never less."""
+    they are withdrawn they only make other decisions more careful, never less. `room_left_mib`: the
+    GPU's headroom once a single booking is made, from which the ledger may take a grant with it."""
     if len(bookings) == 1:
         booking = bookings[0]
         try:
             await ledger.commit(
-                reservation=booking, token=snapshot.tokens[booking.spec.gpu_uuid], live=snapshot.live
+                reservation=booking,
+                token=snapshot.tokens[booking.spec.gpu_uuid],
+                live=snapshot.live,
+                grant_room_mib=room_left_mib,
             )
         except CommitConflictError:
             return booking.spec.gpu_uuid

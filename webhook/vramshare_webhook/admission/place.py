@@ -85,9 +85,13 @@ async def _attempt(
     if intent.defer and _could_ever_take(alloc, snapshot, ctx=ctx):
         return await enqueue(intent, ctx=ctx)
 
-    def chosen(view: Snapshot) -> Choice | Refusal:
-        # Memory held for this task's next try (an earlier refusal of it) counts as its own.
-        holds = view.holds_for(facts.task_key)
+    def chosen(view: Snapshot, *, granted: bool = False) -> Choice | Refusal:
+        # Memory held for this task's next try (an earlier refusal of it) counts as its own, and with
+        # `granted` so does what this replica's grants still hold (each GPU's, where it takes the pod).
+        credit = {h.gpu_uuid: h.mib for h in view.holds_for(facts.task_key)}
+        if granted:
+            for gpu_uuid, mib in ctx.ledger.grant_credit(intent.mib).items():
+                credit[gpu_uuid] = max(mib, credit.get(gpu_uuid, 0))
         return choose(
             alloc,
             view.gpus,
@@ -98,13 +102,17 @@ async def _attempt(
             prefer=ctx.settings.identity,
             replicas=ctx.cluster.replicas(),
             avoid=avoid,
-            credit={h.gpu_uuid: h.mib for h in holds},
+            credit=credit,
         )
 
+    # The policy ranks GPUs by the room every replica sees; this replica's grants count as its own
+    # only where nothing else fits (a pod the policy puts on a GPU with such a grant goes inside it).
     choice = chosen(snapshot)
+    if not isinstance(choice, Choice):
+        choice = chosen(snapshot, granted=True)
     if not isinstance(choice, Choice):  # refuse only on a consistent view
         snapshot = await ctx.ledger.snapshot(fresh=True)
-        choice = chosen(snapshot)
+        choice = chosen(snapshot, granted=True)
     if not isinstance(choice, Choice):
         if intent.queue and _could_ever_take(alloc, snapshot, ctx=ctx):
             # It can wait for one of these; a request none could ever take is refused.
@@ -130,7 +138,12 @@ async def _attempt(
     committing = time.perf_counter()
     ctx.metrics.choose_seconds.observe(committing - choosing)
     try:
-        conflicted = await commit_all(bookings_for(intent, name=name, gpus=gpus), snapshot, ledger=ctx.ledger)
+        conflicted = await commit_all(
+            bookings_for(intent, name=name, gpus=gpus),
+            snapshot,
+            ledger=ctx.ledger,
+            room_left_mib=choice.headroom.headroom_mib - intent.mib,
+        )
     finally:
         ctx.metrics.commit_seconds.observe(time.perf_counter() - committing)
     if conflicted is not None:

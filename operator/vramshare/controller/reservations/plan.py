@@ -21,6 +21,7 @@ from vramshare.domain import (
     due_for_cleanup,
     next_phase,
 )
+from vramshare.domain.grants import MARGIN_S as GRANT_MARGIN_S
 from vramshare.kube.events import Event
 from vramshare.kube.objects import (
     GpuReservation,
@@ -73,12 +74,14 @@ def plan(
     pod_deleted: bool = False,
     running_until: float | None = None,
     watching_since: float = float("-inf"),
+    unrenewed_s: float = 0.0,
 ) -> Plan:
     """What to write for `res` now. `pod_deleted`: its pod's deletion was just seen (it may have gone
     before its booking was bound: see `bind_wait_s`). `running_until`: its pod was force-deleted while it
     ran, and its containers may run until then. A booking whose pod never appeared is kept
     `never_created_retention_s` (default: `retention_s`). `watching_since`: when the controller started
-    watching pods (a booking older than that may have had a pod that came and went unseen)."""
+    watching pods (a booking older than that may have had a pod that came and went unseen).
+    `unrenewed_s`: for a grant, how long the controller has seen it unchanged (its own clock)."""
     current = res.status
     seen = bool(current.pod_uid) or pod_deleted
     status = current
@@ -86,14 +89,16 @@ def plan(
         # Make the implicit phase visible to kubectl: Reserved when just committed or placed, Queued
         # again when a placement was withdrawn.
         status = replace(status, phase=res.phase)
+    granted = res.phase is ReservationPhase.GRANTED
     transition = next_phase(
         phase=res.phase,
         pod=pod.state if pod is not None else PodState.ABSENT,
         gpu_missing=gpu_missing,
-        age_s=now - (res.meta.created_at or 0.0),
+        age_s=unrenewed_s if granted else now - (res.meta.created_at or 0.0),
         ttl_s=ttl_s,
         seen=seen,
         hold_limit_s=hold_limit_s,
+        grant_lapses_after_s=res.grant_lasts_s + GRANT_MARGIN_S,
     )
     if (
         transition is not None
@@ -157,8 +162,8 @@ def plan(
         label = "false"
     elif active_after and not res.labelled_active:
         label = "true"
-    # Every booking of a pod waits for it to be gone once deleted; a hold has no pod to wait for.
-    missing = active_after and not res.held_for and not res.waits_for_pod_gone
+    # Every booking of a pod waits for it to be gone once deleted; a hold or a grant has no pod.
+    missing = active_after and not res.held_for and not res.granted_to and not res.waits_for_pod_gone
     return Plan(
         status=status if status != current else None,
         transition=transition,

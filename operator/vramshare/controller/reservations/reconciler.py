@@ -12,6 +12,7 @@ from dataclasses import replace
 import structlog
 
 from vramshare.controller.metrics import ControllerMetrics
+from vramshare.controller.reservations.grants import GrantRenewals
 from vramshare.controller.reservations.notices import Notices
 from vramshare.controller.reservations.pins import Pins
 from vramshare.controller.reservations.plan import ABSENCE, KUBELET_KILL_S, Plan, plan, pod_sighting
@@ -62,6 +63,7 @@ class ReservationReconciler:
         metrics: ControllerMetrics,
         state: ClusterState,
         clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         self.kube = kube
         self.settings = settings
@@ -79,6 +81,7 @@ class ReservationReconciler:
         self._running_until: dict[str, float] = {}
         """Reservation key -> when the containers of its force-deleted pod are gone at the latest. Kept
         in memory: after a failover the new leader releases such a booking at its first look."""
+        self._renewals = GrantRenewals(clock=monotonic)
         self._notices = Notices(kube=kube, settings=settings, metrics=metrics)
         self._pins = Pins(on_bound=self._bound_now)
         self.watching_since = clock()
@@ -116,6 +119,7 @@ class ReservationReconciler:
             del self._running_until[key]
         self._pins.keep_only(keys)
         self._notices.keep_only(keys)
+        self._renewals.keep_only(keys)
         return changed
 
     async def _trim_never_created(self, current: list[GpuReservation]) -> None:
@@ -199,6 +203,11 @@ class ReservationReconciler:
             return
         if not res.labelled_active:
             return
+        if res.phase is ReservationPhase.GRANTED:  # each renewal puts its end further off
+            self._deadlines.cancel(key)
+            delay = self._renewals.lapses_in_s(res) + 0.5
+            self._deadlines.arm(key, delay, lambda: self._checks.spawn(self._look_again(key, presence())))
+            return
         waiting = res.phase in (ReservationPhase.RESERVED, ReservationPhase.QUEUED) and not self._pins.uid_of(
             res
         )
@@ -257,6 +266,11 @@ class ReservationReconciler:
             res = await self._get(*key)
             if res is None:
                 return
+            if res.phase is ReservationPhase.GRANTED:  # no pod to look for
+                await self.reconcile(res, [], presence=presence)
+                if res.phase is ReservationPhase.GRANTED and res.labelled_active:
+                    self._arm(res, presence=lambda: presence)
+                return
             pods = await self.kube.list(
                 pods_path(key[0]), label_selector=f"{LABEL_RESERVATION}={res.pod_label}"
             )
@@ -303,6 +317,7 @@ class ReservationReconciler:
             pod_deleted=pod_deleted,
             running_until=self._running_until.get(res.key),
             watching_since=self.watching_since,
+            unrenewed_s=self._renewals.unrenewed_s(res) if res.phase is ReservationPhase.GRANTED else 0.0,
         )
         if the_plan.bind_at is not None and pod is not None:
             self._bind_later(res, pod, at=the_plan.bind_at, now=now, presence=presence)

@@ -61,13 +61,13 @@ from vramshare.domain.inventory import DeviceState
 from vramshare.domain.snapshot import CommitConflictError
 from vramshare.kube.client import ApiError, KubeClient, Obj
 from vramshare.kube.lease_watch import HeartbeatSource
+from vramshare.kube.ledger.grants import Grants, HeldGrant, may_take
 from vramshare.kube.ledger.view import LedgerView, _reservation_key, _version_of, last_commit_version
-from vramshare.kube.objects import GpuDevice, GpuReservation, remove_finalizer
+from vramshare.kube.ledger.writes import label_committed
+from vramshare.kube.ledger.writes import withdraw as withdraw_booking
+from vramshare.kube.objects import GpuDevice, GpuReservation
 from vramshare.kube.resources import (
     ANNOTATION_LEDGER,
-    FINALIZER_POD_GONE,
-    LABEL_COMMITTED,
-    LABEL_GPU,
     device_name,
     devices_path,
     reservations_path,
@@ -75,13 +75,6 @@ from vramshare.kube.resources import (
 from vramshare.kube.sightings import PodsByLabel
 
 log = structlog.get_logger("vramshare.ledger")
-
-WITHDRAW_TIMEOUT_S = 3.0
-
-LABEL_ATTEMPTS = 5
-
-LABEL_BACKOFF_S = 0.2
-"""The committed label is retried this many times, waiting 0.2, 0.4, 0.8, 1.6 s in between."""
 
 MAX_GROUP = 32
 """At most this many reservations share one bump of a GPU's token."""
@@ -147,10 +140,20 @@ class CommitProtocol(LedgerView):
         """GPU UUID -> the highest reservation version this process's bumps named on it: a mark never
         names less (creates finish in any order)."""
         self._committers: dict[str, asyncio.Task[None]] = {}
+        self.grants: Grants | None = None
+        """This process's grants (`vramshare.kube.ledger.grants`); None: none are taken."""
+        self.on_inside_grant: Callable[[], None] = lambda: None
+        """Told of each booking made inside a grant (no bump)."""
         self._background: set[asyncio.Task[None]] = set()
 
     async def commit(
-        self, *, reservation: GpuReservation, token: str, live: bool = False, places: bool = False
+        self,
+        *,
+        reservation: GpuReservation,
+        token: str,
+        live: bool = False,
+        places: bool = False,
+        grant_room_mib: int | None = None,
     ) -> GpuReservation:
         """Create `reservation` and bump its GPU's token; `CommitConflictError` when it moved.
 
@@ -164,7 +167,48 @@ class CommitProtocol(LedgerView):
         commits alone on its own token, or conflicts and decides again.
 
         If the caller is cancelled (the answer's deadline passed) its reservation does not stand: it is
-        not created if still queued, and withdrawn if its group was already on its way."""
+        not created if still queued, and withdrawn if its group was already on its way.
+
+        A booking one of this process's grants takes is made inside it, with a create alone; else, given
+        `grant_room_mib` (the GPU's headroom once it is made), a grant may join its group
+        (`vramshare.kube.ledger.grants`)."""
+        grants = self.grants if not places and may_take(reservation) else None
+        if grants is not None:
+            grant = grants.usable(reservation.spec.gpu_uuid, reservation.spec.memory_mib)
+            if grant is not None:
+                return await self._commit_inside(reservation.inside(grant.key), grant)
+        entry = self._enqueue(reservation, token=token, live=live, places=places)
+        if grants is not None and live and grant_room_mib is not None:
+            taken = grants.to_take(reservation, room_left_mib=grant_room_mib)
+            if taken is not None:  # created beside the booking, committed by the same bump
+                sent_at = self.clock()
+                self._later(
+                    grants.follow(taken, self._enqueue(taken, token=token, live=live).done, sent_at=sent_at)
+                )
+        queue = self._queues[reservation.spec.gpu_uuid]
+        key = entry.key
+        try:
+            return await asyncio.shield(entry.done)
+        except asyncio.CancelledError:
+            if entry in queue:
+                queue.remove(entry)
+                self._later(self._abandon_once_made(entry))
+            elif entry.done.done() and not entry.done.cancelled() and entry.done.exception() is None:
+                if not places:  # a committed placement stands (see `place`)
+                    self._later(self._abandon(entry.done.result(), key))
+            else:
+                entry.abandoned = True
+            raise
+
+    def grant_credit(self, mib: int) -> dict[str, int]:
+        """GPU UUID -> what this process's grant there still holds, where it takes a pod of `mib`."""
+        return self.grants.credit(mib) if self.grants is not None else {}
+
+    def _enqueue(
+        self, reservation: GpuReservation, *, token: str, live: bool, places: bool = False
+    ) -> _Pending:
+        """Put a decided reservation into the view (before any await), start its create, and queue it
+        for its GPU's next bump."""
         gpu_uuid = reservation.spec.gpu_uuid
         key = _reservation_key(reservation.namespace, reservation.name)
         self.reservations.put(key, reservation.to_domain())  # reserved_at 0.0: decided, not created
@@ -178,22 +222,42 @@ class CommitProtocol(LedgerView):
             made=loop.create_task(self._create(reservation, places=places)),
             places=places,
         )
-        queue = self._queues.setdefault(gpu_uuid, [])
-        queue.append(entry)
+        self._queues.setdefault(gpu_uuid, []).append(entry)
         if gpu_uuid not in self._committers:
             self._committers[gpu_uuid] = loop.create_task(self._drain(gpu_uuid))
+        return entry
+
+    async def _commit_inside(self, reservation: GpuReservation, grant: HeldGrant) -> GpuReservation:
+        """A booking inside this process's grant: a create alone (`vramshare.domain.grants`). If its
+        create comes back after the grant stopped being usable, the API server may have stored it after
+        the controller ended the grant: it is withdrawn and the pod decides again."""
+        assert self.grants is not None
+        key = _reservation_key(reservation.namespace, reservation.name)
+        self.reservations.put(key, reservation.to_domain())  # the grant's remainder gives up as much
+        self.grants.used(grant)
+        made = asyncio.get_running_loop().create_task(self._create(reservation, places=False))
         try:
-            return await asyncio.shield(entry.done)
+            created = await asyncio.shield(made)
         except asyncio.CancelledError:
-            if entry in queue:
-                queue.remove(entry)
-                self._later(self._abandon_once_made(entry))
-            elif entry.done.done() and not entry.done.cancelled() and entry.done.exception() is None:
-                if not places:  # a committed placement stands (see `place`)
-                    self._later(self._abandon(entry.done.result(), key))
-            else:
-                entry.abandoned = True
+            self._later(self._withdraw_once_made(key, made))
             raise
+        except BaseException:
+            self.reservations.drop(key)
+            raise
+        if not self.grants.still_usable(grant):
+            await self._abandon(created, key)
+            raise CommitConflictError(f"grant {grant.key} lapsed while booking inside it")
+        self.reservations.put(key, created.to_domain(), resource_version=created.meta.resource_version)
+        self.on_inside_grant()
+        return created
+
+    async def _withdraw_once_made(self, key: str, made: asyncio.Task[GpuReservation]) -> None:
+        self.reservations.drop(key)
+        try:
+            created = await asyncio.shield(made)
+        except Exception:  # not made: nothing to withdraw
+            return
+        await self._withdraw(created)
 
     def _later(self, coroutine: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coroutine)
@@ -407,37 +471,12 @@ class CommitProtocol(LedgerView):
         else:
             entry.done.set_exception(error)
 
-    async def _label_committed(self, created: GpuReservation) -> None:
-        """Label a placement or hold committed, off the answer's path, retried while the API server
-        fails: a placement left unlabelled goes back to the queue (nobody vouches for it), and
-        observers count only labelled ones. The booking stands either way."""
-        error = ""
-        for attempt in range(LABEL_ATTEMPTS):
-            if attempt:
-                await asyncio.sleep(LABEL_BACKOFF_S * 2 ** (attempt - 1))
-            try:
-                self.on_write("gpureservations", "patch")
-                await self.kube.merge_patch(
-                    reservations_path(created.namespace, created.name),
-                    {"metadata": {"labels": {LABEL_COMMITTED: "true"}}},
-                )
-                return
-            except ApiError as exc:
-                if exc.not_found:
-                    return  # withdrawn or ended meanwhile: nothing to label
-                error = str(exc)
-            except (OSError, TimeoutError) as exc:
-                error = str(exc)
-        log.warning(
-            "reservation committed but not labelled",
-            reservation=created.key,
-            attempts=LABEL_ATTEMPTS,
-            error=error,
-        )
-
     async def drain(self, *, timeout_s: float = 5.0) -> int:
-        """On shutdown, after the last answer: let the writes still running off the answers' path (the
-        committed labels, withdrawals) finish, for at most `timeout_s`; returns how many did not."""
+        """On shutdown, after the last answer: give back this process's grants, and let the writes
+        still running off the answers' path (the committed labels, withdrawals) finish, for at most
+        `timeout_s`; returns how many did not."""
+        if self.grants is not None:
+            await self.grants.give_all_back()
         pending = set(self._background)
         if not pending:
             return 0
@@ -448,39 +487,8 @@ class CommitProtocol(LedgerView):
             log.warning("shutting down with writes unfinished", unfinished=len(left), timeout_s=timeout_s)
         return len(left)
 
+    async def _label_committed(self, created: GpuReservation) -> None:
+        await label_committed(self.kube, created, on_write=self.on_write)
+
     async def _withdraw(self, created: GpuReservation, *, unplace: bool = False) -> bool:
-        """Delete a booking nobody will use, within a few seconds; one that cannot be deleted (the API
-        server is what made us late) expires with the reservation TTL instead. A placed queue entry
-        goes back to the queue: its placement is removed, only as `created` left it (another leader
-        may have taken the entry over since, and its pod may run on that placement). True when done."""
-        path = reservations_path(created.namespace, created.name)
-        try:
-            if unplace:
-                self.on_write("gpureservations", "patch")
-                unplaced = {"nodeName": None, "gpuUUID": None, "gpuIndex": None}
-                labels = {LABEL_GPU: None, LABEL_COMMITTED: None}
-                meta = {"resourceVersion": created.meta.resource_version, "labels": labels}
-                await asyncio.wait_for(
-                    self.kube.merge_patch(path, {"metadata": meta, "spec": unplaced}), WITHDRAW_TIMEOUT_S
-                )
-                log.info("placement withdrawn; the entry is back in the queue", reservation=created.key)
-                return True
-            if created.waits_for_pod_gone:
-                # Its pod will never exist: nothing to wait for. Without this a deleted booking would
-                # stay (and count) until the controller saw it ended.
-                self.on_write("gpureservations", "patch")
-                await asyncio.wait_for(
-                    self.kube.json_patch(path, remove_finalizer(created.meta, FINALIZER_POD_GONE)),
-                    WITHDRAW_TIMEOUT_S,
-                )
-            self.on_write("gpureservations", "delete")
-            await asyncio.wait_for(self.kube.delete(path), WITHDRAW_TIMEOUT_S)
-            return True
-        except ApiError as exc:
-            if unplace and exc.conflict:
-                log.info("placement not withdrawn: the entry changed meanwhile", reservation=created.key)
-            elif not exc.not_found:
-                log.warning("booking not withdrawn; it expires", reservation=created.key, error=str(exc))
-        except (TimeoutError, OSError) as exc:
-            log.warning("booking not withdrawn; it expires", reservation=created.key, error=repr(exc))
-        return False
+        return await withdraw_booking(self.kube, created, unplace=unplace, on_write=self.on_write)

@@ -199,7 +199,17 @@ class GpuReservation:
 
     @classmethod
     def granted(
-        cls, *, name: str, namespace: str, mib: int, gpu: Gpu, holder: str, holder_hash: str, lasts_s: float
+        cls,
+        *,
+        name: str,
+        namespace: str,
+        mib: int,
+        gpu_uuid: str,
+        node: str,
+        gpu_index: int,
+        holder: str,
+        holder_hash: str,
+        lasts_s: float,
     ) -> GpuReservation:
         """A grant as a webhook replica takes it: `mib` on `gpu` for `holder`'s pods
         (`vramshare.domain.grants`). No pod, so no finalizer; labelled with the holder's hash."""
@@ -208,7 +218,7 @@ class GpuReservation:
                 name=name,
                 namespace=namespace,
                 labels={
-                    LABEL_GPU: device_name(gpu.uuid),
+                    LABEL_GPU: device_name(gpu_uuid),
                     LABEL_ACTIVE: "true",
                     LABEL_GRANTED_TO: holder_hash,
                     "app.kubernetes.io/managed-by": "vramshare",
@@ -218,9 +228,9 @@ class GpuReservation:
             spec=ReservationSpec(
                 pod_name=f"(granted to {holder})"[:254],
                 memory_mib=mib,
-                node_name=gpu.node,
-                gpu_uuid=gpu.uuid,
-                gpu_index=gpu.index,
+                node_name=node,
+                gpu_uuid=gpu_uuid,
+                gpu_index=gpu_index,
             ),
         )
 
