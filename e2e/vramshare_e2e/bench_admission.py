@@ -54,6 +54,7 @@ from vramshare_e2e.bench_no_gpu import NO_GPU_ROUNDS, no_gpu_phase
 from vramshare_e2e.cluster import LocalCluster
 from vramshare_e2e.components import (
     WEBHOOK_ACCOUNT,
+    chart_webhook_env,
     controller_identity,
     service_account_identity,
     start_controller,
@@ -176,6 +177,7 @@ def admission(
             "VRAMSHARE_LOG_LEVEL": "warning",
             "VRAMSHARE_SAFETY_MARGIN_MIB": "0",
             "VRAMSHARE_MAX_SAMPLE_AGE_S": "86400",
+            **chart_webhook_env("grant_pods"),  # grants, as the chart turns them on
         }
         # Each component reaches the API server with a ServiceAccount token, as the chart's pods do
         # (the admin's client certificate would cost the API server a verification per request).

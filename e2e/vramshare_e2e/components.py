@@ -57,6 +57,15 @@ VRAMSHARE_RULES = [
 CONTROLLER_NAMESPACE = "default"
 """Where the controllers the tests start keep their Lease."""
 
+CHART = Path(__file__).resolve().parents[2] / "charts" / "vramshare"
+
+
+def chart_webhook_env(*names: str) -> dict[str, str]:
+    """Webhook settings as the chart sets them by default (its values.yaml), as environment variables:
+    a webhook started here then runs as one the chart installs."""
+    settings = yaml.safe_load((CHART / "values.yaml").read_text())["webhook"]["settings"]
+    return {f"VRAMSHARE_{name.upper()}": str(settings[name]) for name in names}
+
 
 def start_webhook(
     cluster: LocalCluster,

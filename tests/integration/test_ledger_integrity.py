@@ -27,7 +27,13 @@ from vramshare.kube.resources import (
 from vramshare_e2e.admission_parts import SIDECAR, start_delay_proxy, start_mutating_webhook
 from vramshare_e2e.bookings import shown_phase_of, shown_phases
 from vramshare_e2e.cluster import RUN_DURATION_ANNOTATION, LocalCluster
-from vramshare_e2e.components import POD_CREATE, start_controller, start_webhook, webhook_configuration
+from vramshare_e2e.components import (
+    POD_CREATE,
+    chart_webhook_env,
+    start_controller,
+    start_webhook,
+    webhook_configuration,
+)
 from vramshare_e2e.process import eventually
 
 pytestmark = pytest.mark.cluster
@@ -43,7 +49,11 @@ CONTROLLER_ENV = {
     "VRAMSHARE_LEASE_RETRY_PERIOD_S": "0.5",
     "VRAMSHARE_LOG_LEVEL": "warning",
 }
-WEBHOOK_ENV = {"VRAMSHARE_SETTLE_S": "2", "VRAMSHARE_LOG_LEVEL": "warning"}
+WEBHOOK_ENV = {
+    "VRAMSHARE_SETTLE_S": "2",
+    "VRAMSHARE_LOG_LEVEL": "warning",
+    **chart_webhook_env("grant_pods"),  # grants, as the chart turns them on (issue #45)
+}
 BOUND_WITHIN_S = 30.0  # what the issue asks: a booking whose pod never appeared stops counting by then
 
 

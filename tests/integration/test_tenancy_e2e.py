@@ -29,6 +29,7 @@ from vramshare.kube.resources import MEMORY_RESOURCE
 from vramshare_e2e.admission_parts import start_endpoints
 from vramshare_e2e.cluster import RUN_DURATION_ANNOTATION, LocalCluster
 from vramshare_e2e.components import (
+    chart_webhook_env,
     metric,
     start_controller,
     start_webhook,
@@ -45,6 +46,7 @@ QUOTAS = {"team-a": 20_000, "team-b": 30_000}
 ATTACK_S = 60.0
 PENDING_PER_USER = 40_000
 ENV = {
+    **chart_webhook_env("grant_pods"),  # grants, as the chart turns them on (issue #45)
     "VRAMSHARE_SETTLE_S": "2",
     "VRAMSHARE_SAFETY_MARGIN_MIB": "512",
     "VRAMSHARE_MAX_PENDING_MIB_PER_USER": str(PENDING_PER_USER),

@@ -35,6 +35,7 @@ from vramshare_e2e.bookings import phases_of
 from vramshare_e2e.cluster import LocalCluster
 from vramshare_e2e.components import (
     as_the_api_server,
+    chart_webhook_env,
     metric,
     start_controller,
     start_webhook,
@@ -104,6 +105,7 @@ def stack() -> Iterator[Stack]:
             "VRAMSHARE_SAFETY_MARGIN_MIB": str(MARGIN),
             "VRAMSHARE_SETTLE_S": "2",
             "VRAMSHARE_LOG_LEVEL": "warning",
+            **chart_webhook_env("grant_pods"),  # grants, as the chart turns them on (issue #45)
         }
         for shard in SHARDS:
             s.ports[shard] = start_webhook(cluster, name=f"webhook-{shard}", env=env)[1]

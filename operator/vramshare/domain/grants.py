@@ -6,7 +6,7 @@ part of a booking: it is one more write in a row on the answer's path, and every
 decodes it. A grant pays that bump once for many pods:
 
 - A replica that commits a pod on a GPU takes a grant there in the same commit (one more create; the
-  one bump names both): a GpuReservation in phase Granted, of `grant_mib` (`grant_size`).
+  one bump names both): a GpuReservation in phase Granted, sized by `grant_size`.
 - Every reader counts a grant's **remainder**, what its bookings do not use yet, as booked and not yet
   started: `max(0, grant - bookings inside it)`. The bookings inside are counted as any booking.
 - The replica that holds the grant books a later pod inside it, when the remainder takes the whole
@@ -14,14 +14,15 @@ decodes it. A grant pays that bump once for many pods:
   remainder loses. A reader that has not seen it yet counts the same memory as the remainder, so no
   other decision can be wrong for want of it, and no token needs to move.
 - Only the replica that took a grant books inside it, and only while its grant is **usable**: the
-  grant is renewed every third of `lasts_s`, and usable until `lasts_s - margin_s` after the last
-  renewal that succeeded was sent, by the replica's own clock. The controller ends a grant (Expired,
-  GrantLapsed) once it has not seen the grant change for `lasts_s + margin_s` by its own clock
-  (`lapsed`): a replica that died or lost the API server stops booking in its grants before anyone
-  can take their room back (client-go's lease rule; no two clocks are compared). A booking whose
-  create came back after its grant stopped being usable is withdrawn and decided again: the API
-  server may have stored it after the grant ended.
-- A grant with nothing inside for `idle_s` is given back (deleted), and so is every grant at shutdown.
+  controller has recorded it Granted (so it knows grants: an older one would end it as a booking whose
+  pod never came, after the reservation TTL), and it is renewed every third of `lasts_s`, and usable
+  until `lasts_s - margin_s` after the last renewal that succeeded was sent, by the replica's own clock.
+  The controller ends a grant (Expired, GrantLapsed) once it has not seen the grant change for `lasts_s
+  + margin_s` by its own clock (`lapsed`): a replica that died or lost the API server stops booking in
+  its grants before anyone can take their room back (client-go's lease rule; no two clocks are
+  compared). A booking whose create came back after its grant stopped being usable is withdrawn and
+  decided again: the API server may have stored it after the grant ended.
+- A grant nothing was booked in for `idle_s` is given back (deleted), and so is every grant at shutdown.
   Its end needs no bump either: a reader that sees it end has seen every booking made inside it, as a
   watch delivers one resource's changes in order, and each of those bookings now counts on its own.
 
@@ -33,6 +34,7 @@ Pure: the arithmetic and the rules, no clock and no I/O.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from vramshare.domain.models import Reservation, ReservationPhase
@@ -102,5 +104,22 @@ def lapsed(*, unrenewed_s: float, lasts_s: float, margin_s: float) -> bool:
     return unrenewed_s >= lasts_s + margin_s
 
 
-def is_grant(reservation: Reservation) -> bool:
-    return reservation.phase is ReservationPhase.GRANTED
+def granted_by_gpu(reservations: Iterable[Reservation]) -> dict[str, int]:
+    """GPU UUID -> the remainders of the active grants on it: room held for some replica's next pods,
+    which every other decision counts as booked (for messages: it comes back when they are given
+    back)."""
+    granted: dict[tuple[str, str], int] = {}
+    inside: dict[tuple[str, str], int] = {}
+    for r in reservations:
+        if not r.is_active:
+            continue
+        if r.phase is ReservationPhase.GRANTED:
+            granted[(r.key, r.gpu_uuid)] = granted.get((r.key, r.gpu_uuid), 0) + r.mib
+        elif r.grant:
+            inside[(r.grant, r.gpu_uuid)] = inside.get((r.grant, r.gpu_uuid), 0) + r.mib
+    out: dict[str, int] = {}
+    for (key, gpu_uuid), mib in granted.items():
+        left = remainder(grant_mib=mib, inside_mib=inside.get((key, gpu_uuid), 0))
+        if left:
+            out[gpu_uuid] = out.get(gpu_uuid, 0) + left
+    return out

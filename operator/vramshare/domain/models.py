@@ -139,6 +139,9 @@ class Reservation:
     """The controller has seen its pod (and recorded it in the reservation's status)."""
     grant: str = ""
     """For a booking made inside a grant (`vramshare.domain.grants`): the grant's key, namespace/name."""
+    acknowledged: bool = False
+    """For a grant: the controller recorded it Granted, so it knows grants and ends this one only when
+    it lapses (an older controller would end it as a booking whose pod never came)."""
 
     @property
     def key(self) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from vramshare.domain.bookings import LedgerIndex
+from vramshare.domain.grants import granted_by_gpu
 from vramshare.domain.models import Gpu, Reservation
 from vramshare.domain.tenancy import (
     Holding,
@@ -68,6 +69,10 @@ class Snapshot:
         if self.index is not None:
             return self.index.pending_of_user(user)
         return pending_of_user(self.reservations, user)
+
+    def granted_by_gpu(self) -> dict[str, int]:
+        """GPU UUID -> room its grants hold for some replica's next pods (`vramshare.domain.grants`)."""
+        return granted_by_gpu(self.index.reservations() if self.index is not None else self.reservations)
 
     def held_gpus(self) -> set[str]:
         """GPUs that keep memory for a refused task's next try."""

@@ -502,3 +502,23 @@ async def test_a_grant_lapses_once_unchanged_for_its_duration_and_not_while_rene
         assert kube.objects[path]["status"]["phase"] == "Expired"
         assert kube.objects[path]["status"]["reason"] == "GrantLapsed"
         assert kube.objects[path]["metadata"]["labels"]["vramshare.io/active"] == "false"
+
+
+async def test_a_new_grant_is_recorded_granted_at_once() -> None:
+    """Its holder books inside it only once the controller has recorded it: not at the next sweep."""
+    async with setup() as (kube, reconciler):
+        grant = GpuReservation.granted(
+            name="g2",
+            namespace="vramshare",
+            mib=8192,
+            gpu_uuid="GPU-a",
+            node="node-a",
+            gpu_index=0,
+            holder="webhook-0",
+            holder_hash="abc",
+            lasts_s=15,
+        )
+        created = await kube.create(reservations_path("vramshare"), grant.to_wire())
+        reconciler.reservation_changed(GpuReservation.from_wire(created), presence=lambda: PRESENT)
+        await fed()
+        assert kube.objects[reservations_path("vramshare", "g2")]["status"]["phase"] == "Granted"

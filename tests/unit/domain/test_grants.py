@@ -13,7 +13,7 @@ from tests.unit.domain import builders
 from tests.unit.domain.builders import NOW
 from tests.unit.domain.strategies import booked_by_definition, gpus, reservations
 from vramshare.domain import Gpu, LedgerIndex, PodState, Reservation, ReservationPhase, next_phase
-from vramshare.domain.grants import GrantTerms, grant_size, lapsed, takes
+from vramshare.domain.grants import GrantTerms, grant_size, granted_by_gpu, lapsed, takes
 from vramshare.domain.headroom import booked
 from vramshare.domain.tenancy import Holdings, awaits_its_pod, holding_of
 
@@ -221,3 +221,15 @@ def test_the_index_counts_grants_by_their_definition(
             left = index.grant_remainder(key, r.gpu_uuid)
             assert left is not None
             assert left >= 0
+
+
+def test_what_grants_hold_is_summed_per_gpu_for_messages() -> None:
+    ledger = [
+        grant(8_000),
+        inside(3_000, name="a"),
+        grant(2_000, name="grant-2", gpu_uuid="GPU-b"),
+        replace(grant(4_000, name="grant-3"), phase=ReservationPhase.EXPIRED),  # ended: holds nothing
+        grant(1_000, name="grant-4"),
+        inside(1_500, name="b", of="airflow/grant-4"),  # over-filled: holds nothing more
+    ]
+    assert granted_by_gpu(ledger) == {GPU: 5_000, "GPU-b": 2_000}

@@ -64,13 +64,20 @@ def grants_in(kube: FakeKube) -> list[dict[str, Any]]:
     return [o for p, o in kube.objects.items() if p.startswith(prefix)]
 
 
-async def take_one(kube: FakeKube, ledger: KubeLedger, *, mib: int = 1024) -> GpuReservation:
-    """A first pod on the GPU, which takes a grant with it; returns the grant as committed."""
+async def take_one(
+    kube: FakeKube, ledger: KubeLedger, *, mib: int = 1024, recorded: bool = True
+) -> GpuReservation:
+    """A first pod on the GPU, which takes a grant with it; returns the grant as committed. With
+    `recorded`, the controller's part: it records the grant Granted."""
     token = (await ledger.snapshot()).tokens[GPU.uuid]
     await ledger.commit(reservation=booking("first", mib), token=token, live=True, grant_room_mib=ROOM - mib)
     await settle()
     assert ledger.grants is not None
     [held] = ledger.grants.held()
+    if recorded:
+        path = reservations_path(held.reservation.namespace, held.reservation.name)
+        await kube.merge_patch(f"{path}/status", {"status": {"phase": "Granted"}})
+        await settle()
     return held.reservation
 
 
@@ -78,7 +85,7 @@ async def test_a_grant_is_taken_under_the_bump_of_the_pod_it_comes_with(
     granting: tuple[FakeKube, KubeLedger, Clock],
 ) -> None:
     kube, ledger, _ = granting
-    grant = await take_one(kube, ledger)
+    grant = await take_one(kube, ledger, recorded=False)
     assert bumps(kube) == 1
     [stored] = grants_in(kube)
     assert stored["metadata"]["labels"][LABEL_GRANTED_TO]
@@ -218,3 +225,73 @@ async def test_a_grant_whose_commit_lost_its_race_is_never_used(
     assert ledger.grants is not None
     assert ledger.grants.held() == []
     assert grants_in(kube) == []
+
+
+async def test_a_grant_the_controller_has_not_recorded_takes_no_booking(
+    granting: tuple[FakeKube, KubeLedger, Clock],
+) -> None:
+    """An older controller would end it as a booking whose pod never came, while its holder may still
+    book inside it: it is used only once the controller recorded it Granted."""
+    kube, ledger, _ = granting
+    grant = await take_one(kube, ledger, recorded=False)
+    token = (await ledger.snapshot()).tokens[GPU.uuid]
+    made = await ledger.commit(reservation=booking("early", 1024), token=token, live=True)
+    assert made.spec.grant == ""
+    path = reservations_path(grant.namespace, grant.name)
+    await kube.merge_patch(f"{path}/status", {"status": {"phase": "Granted"}})
+    await settle()
+    made = await ledger.commit(reservation=booking("recorded", 1024), token=token, live=True)
+    assert made.spec.grant == grant.key
+
+
+async def test_a_grant_this_view_shows_ended_takes_no_booking_at_once(
+    granting: tuple[FakeKube, KubeLedger, Clock],
+) -> None:
+    """Not at the next renewal: the moment the replica's watch shows the controller ended it."""
+    kube, ledger, _ = granting
+    grant = await take_one(kube, ledger)
+    path = reservations_path(grant.namespace, grant.name)
+    await kube.merge_patch(f"{path}/status", {"status": {"phase": "Expired", "reason": "GrantLapsed"}})
+    await settle()
+    token = (await ledger.snapshot()).tokens[GPU.uuid]
+    made = await ledger.commit(reservation=booking("after", 1024), token=token, live=True)
+    assert made.spec.grant == ""
+
+
+async def test_each_round_renews_what_is_due_and_gives_back_what_is_idle(
+    granting: tuple[FakeKube, KubeLedger, Clock],
+) -> None:
+    kube, ledger, clock = granting
+    grant = await take_one(kube, ledger)
+    assert ledger.grants is not None
+    path = reservations_path(grant.namespace, grant.name)
+    await ledger.grants.keep_once()
+    assert ANNOTATION_GRANT_RENEWED not in kube.objects[path]["metadata"].get("annotations", {})  # not due
+    clock.now += TERMS.renew_every_s
+    await ledger.grants.keep_once()
+    assert kube.objects[path]["metadata"]["annotations"][ANNOTATION_GRANT_RENEWED] == "1"
+    clock.now += TERMS.idle_s
+    await ledger.grants.keep_once()
+    assert path not in kube.objects  # idle: given back
+    assert ledger.grants.held() == []
+
+
+async def test_a_grant_the_controller_never_records_is_given_back_and_grants_pause(
+    granting: tuple[FakeKube, KubeLedger, Clock],
+) -> None:
+    """An older controller or CRD: grants would only cost a create per commit, so none is taken for
+    a while."""
+    kube, ledger, clock = granting
+    grant = await take_one(kube, ledger, recorded=False)
+    assert ledger.grants is not None
+    clock.now += TERMS.renew_every_s
+    await ledger.grants.keep_once()
+    assert reservations_path(grant.namespace, grant.name) not in kube.objects
+    token = (await ledger.snapshot()).tokens[GPU.uuid]
+    await ledger.commit(reservation=booking("next", 1024), token=token, live=True, grant_room_mib=8192)
+    await settle()
+    assert grants_in(kube) == []  # paused
+    clock.now += 300
+    await ledger.commit(reservation=booking("later", 1024), token=token, live=True, grant_room_mib=8192)
+    await settle()
+    assert len(grants_in(kube)) == 1

@@ -334,3 +334,6 @@ async def test_a_pod_that_fits_only_inside_this_replicas_grant_is_placed_there()
     ledger.granted.clear()  # another replica: the grant is not its own
     refused = await admitter(ledger).review(request("3000", uid="u2"))
     assert refused["response"]["status"]["code"] == 403
+    message = refused["response"]["status"]["message"]
+    assert "Room for it is held for webhook replicas' next pods (6000 MiB on GPU GPU-b" in message
+    assert "given back within 10 s" in message

@@ -56,6 +56,7 @@ async def refuse(
         floor_s=settings.retry_after_min_s,
         ceiling_s=settings.retry_after_s,
     )
+    note += _granted_note(refusal, snapshot=snapshot, idle_s=settings.grant_idle_s)
     message = refusal_message(
         refusal,
         max_sample_age_s=settings.accounting.max_sample_age_s,
@@ -66,6 +67,27 @@ async def refuse(
         details={**details, "best_headroom_mib": refusal.best_headroom_mib},
         retry_after_s=retry_after,
         style=intent.style,
+    )
+
+
+def _granted_note(refusal: Refusal, *, snapshot: Snapshot, idle_s: float) -> str:
+    """Where room held in grants (`vramshare.domain.grants`) for webhook replicas' next pods
+    would have taken this pod, say so: that room comes back, so a retry may find it."""
+    granted = snapshot.granted_by_gpu()
+    if not granted:
+        return ""
+    mib = refusal.request.mib
+    near = [
+        (v.gpu.label, granted[v.gpu.uuid])
+        for v in refusal.verdicts
+        if v.headroom is not None and v.gpu.uuid in granted and v.room_mib + granted[v.gpu.uuid] >= mib
+    ]
+    if not near:
+        return ""
+    where = ", ".join(f"{held} MiB on GPU {label}" for label, held in near[:3])
+    return (
+        f" Room for it is held for webhook replicas' next pods ({where}, in grants); it is given "
+        f"back within {idle_s:g} s of their last booking there, so a retry may find it free."
     )
 
 

@@ -204,6 +204,9 @@ class ReservationReconciler:
         if not res.labelled_active:
             return
         if res.phase is ReservationPhase.GRANTED:  # each renewal puts its end further off
+            if res.status.phase is not ReservationPhase.GRANTED:
+                # Recorded at once: its holder books inside it only once the controller has.
+                self._checks.spawn(self._reconcile_quietly(res, [], presence()))
             self._deadlines.cancel(key)
             delay = self._renewals.lapses_in_s(res) + 0.5
             self._deadlines.arm(key, delay, lambda: self._checks.spawn(self._look_again(key, presence())))

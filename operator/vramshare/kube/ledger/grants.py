@@ -2,9 +2,10 @@
 with a create alone, renewing them, and giving them back.
 
 A grant is taken with a pod's commit (`CommitProtocol.commit`, `grant_room_mib`): it is one more
-reservation in the same group, so the one bump that commits the pod commits the grant. From the moment
-that bump succeeds the grant is usable, until `usable_for_s` after the last renewal that succeeded was
-sent. Each is renewed every `renew_every_s`, given back after `idle_s` with no booking made inside it,
+reservation in the same group, so the one bump that commits the pod commits the grant. It is usable
+once that bump succeeded and this replica's view shows the controller recorded it Granted, until
+`usable_for_s` after the last renewal that succeeded was sent, and no longer once the view shows it
+ended. Each is renewed every `renew_every_s`, given back after `idle_s` with no booking made inside it,
 and every one is given back at shutdown. A grant that lapses here (renewals failing) stays in the ledger
 until its holder deletes it or the controller ends it; here it only stops taking bookings.
 """
@@ -29,6 +30,8 @@ from vramshare.kube.resources import ANNOTATION_GRANT_RENEWED, reservations_path
 log = structlog.get_logger("vramshare.grants")
 
 RELEASE_TIMEOUT_S = 3.0
+PAUSE_S = 300.0
+"""How long no grant is taken after one went unrecorded by the controller."""
 
 
 def holder_hash(identity: str) -> str:
@@ -92,6 +95,9 @@ class Grants:
         self.given_back = 0
         self.closed = False
         """Shutting down: no grant is taken, and one whose commit lands now is given back at once."""
+        self.paused_until = 0.0
+        """No grant is taken before then: one went unrecorded by the controller (an older controller,
+        or CRDs without the phase Granted), so grants would only cost a create each."""
 
     # -- deciding -------------------------------------------------------------------------------
 
@@ -100,9 +106,10 @@ class Grants:
         now = self.clock()
         index = self._index()
         for grant in self._held.get(gpu_uuid, ()):
+            seen = index.get(grant.key)
             left = index.grant_remainder(grant.key, gpu_uuid)
-            if grant.usable_until <= now or left is None:
-                continue
+            if grant.usable_until <= now or left is None or seen is None or not seen.acknowledged:
+                continue  # lapsed here, ended (as this view shows it), or not recorded by the controller
             if takes(grant_mib=grant.mib, inside_mib=grant.mib - left, pod_mib=mib):
                 return grant
         return None
@@ -121,7 +128,7 @@ class Grants:
     def to_take(self, booking: GpuReservation, *, room_left_mib: int) -> GpuReservation | None:
         """A new grant to commit with `booking`, on its GPU, or None (none worth taking). `room_left_mib`:
         the GPU's headroom once the booking is made."""
-        if self.closed:
+        if self.closed or self.clock() < self.paused_until:
             return None
         size = grant_size(terms=self.terms, pod_mib=booking.spec.memory_mib, room_left_mib=room_left_mib)
         if size <= 0:
@@ -202,14 +209,40 @@ class Grants:
         """Renew each committed grant every `renew_every_s`; give back those idle for `idle_s`."""
         while self._held:
             await asyncio.sleep(min(self.terms.renew_every_s, self.terms.idle_s) / 2)
-            now = self.clock()
-            for grant in self.held():
-                if grant.usable_until <= 0:
-                    continue  # its commit is on its way
+            await self.keep_once()
+
+    async def keep_once(self) -> None:
+        """One round of `_keep`: each grant given back, renewed, or left as it is."""
+        now = self.clock()
+        for grant in self.held():
+            if grant.usable_until <= 0:
+                continue  # its commit is on its way
+            try:
                 if now - grant.last_used >= self.terms.idle_s:
                     await self.give_back(grant)
                 elif now - (grant.usable_until - self.terms.usable_for_s) >= self.terms.renew_every_s:
+                    if not self._recorded(grant):
+                        await self._pause(grant)
+                        continue
                     await self._renew(grant)
+            except Exception as exc:  # it lapses here, and the next round tries again
+                log.warning("grant not kept", grant=grant.key, error=repr(exc))
+
+    def _recorded(self, grant: HeldGrant) -> bool:
+        seen = self._index().get(grant.key)
+        return seen is None or seen.acknowledged  # gone from the view: the renewal will tell
+
+    async def _pause(self, grant: HeldGrant) -> None:
+        """A grant the controller has not recorded by its first renewal never will be: give it back
+        and take none for a while."""
+        self.paused_until = self.clock() + PAUSE_S
+        log.warning(
+            "the controller did not record a grant: grants are off for a while (an older controller, "
+            "or CRDs without the phase Granted: upgrade both)",
+            grant=grant.key,
+            paused_s=PAUSE_S,
+        )
+        await self.give_back(grant)
 
     async def _renew(self, grant: HeldGrant) -> None:
         sent = self.clock()

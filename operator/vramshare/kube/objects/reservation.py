@@ -375,4 +375,5 @@ class GpuReservation:
             pod_label=self.pod_label,
             pod_seen=bool(self.status.pod_uid),
             grant=self.spec.grant,
+            acknowledged=self.status.phase is ReservationPhase.GRANTED,
         )
