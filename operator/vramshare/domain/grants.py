@@ -27,7 +27,9 @@ decodes it. A grant pays that bump once for many pods:
   watch delivers one resource's changes in order, and each of those bookings now counts on its own.
 
 A grant costs packing while it is held: other replicas count its remainder as used. `grant_size`
-takes at most a quarter of the room left, so a grant never takes a GPU's last room.
+takes at most a quarter of the room left, so a grant never takes a GPU's last room, and a holder
+gives a grant back as soon as it holds more than its GPU has left for everyone else (`relieves`): as
+a GPU fills, the room in grants returns to all.
 
 Pure: the arithmetic and the rules, no clock and no I/O.
 """
@@ -123,3 +125,9 @@ def granted_by_gpu(reservations: Iterable[Reservation]) -> dict[str, int]:
         if left:
             out[gpu_uuid] = out.get(gpu_uuid, 0) + left
     return out
+
+
+def relieves(*, remainder_mib: int, room_for_others_mib: int) -> bool:
+    """Whether a grant holding `remainder_mib` should be given back, its GPU having
+    `room_for_others_mib` left for everyone else."""
+    return remainder_mib > 0 and room_for_others_mib < remainder_mib

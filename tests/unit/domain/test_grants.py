@@ -13,7 +13,7 @@ from tests.unit.domain import builders
 from tests.unit.domain.builders import NOW
 from tests.unit.domain.strategies import booked_by_definition, gpus, reservations
 from vramshare.domain import Gpu, LedgerIndex, PodState, Reservation, ReservationPhase, next_phase
-from vramshare.domain.grants import GrantTerms, grant_size, granted_by_gpu, lapsed, takes
+from vramshare.domain.grants import GrantTerms, grant_size, granted_by_gpu, lapsed, relieves, takes
 from vramshare.domain.headroom import booked
 from vramshare.domain.tenancy import Holdings, awaits_its_pod, holding_of
 
@@ -233,3 +233,9 @@ def test_what_grants_hold_is_summed_per_gpu_for_messages() -> None:
         inside(1_500, name="b", of="airflow/grant-4"),  # over-filled: holds nothing more
     ]
     assert granted_by_gpu(ledger) == {GPU: 5_000, "GPU-b": 2_000}
+
+
+def test_a_grant_is_given_back_once_it_holds_more_than_its_gpu_has_left_for_others() -> None:
+    assert not relieves(remainder_mib=3_000, room_for_others_mib=3_000)
+    assert relieves(remainder_mib=3_000, room_for_others_mib=2_999)
+    assert not relieves(remainder_mib=0, room_for_others_mib=0)  # full: nothing held back

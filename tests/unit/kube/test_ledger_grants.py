@@ -11,7 +11,7 @@ import pytest
 import pytest_asyncio
 
 from tests.unit.fake_kube import FakeKube
-from tests.unit.kube.ledger_harness import DEVICE, GPU, booking, cluster, fed, settle
+from tests.unit.kube.ledger_harness import DEVICE, GPU, booking, cluster, commit_elsewhere, fed, settle
 from vramshare.domain import ReservationPhase
 from vramshare.domain.grants import GrantTerms
 from vramshare.domain.snapshot import CommitConflictError
@@ -295,3 +295,26 @@ async def test_a_grant_the_controller_never_records_is_given_back_and_grants_pau
     await ledger.commit(reservation=booking("later", 1024), token=token, live=True, grant_room_mib=8192)
     await settle()
     assert len(grants_in(kube)) == 1
+
+
+async def test_a_grant_holding_more_than_its_gpu_has_left_for_others_is_given_back(
+    granting: tuple[FakeKube, KubeLedger, Clock],
+) -> None:
+    """As a GPU fills up, grants give their room back rather than hold it while others refuse pods."""
+    kube, ledger, _ = granting
+    grant = await take_one(kube, ledger)
+    assert ledger.grants is not None
+    figures = ledger.index.figures_by(settle_s=30, safety_margin_mib=0)
+
+    def room(uuid: str) -> int | None:
+        return figures(GPU, False)[2] if uuid == GPU.uuid else None
+
+    assert ledger.grants.relieve(room) == []  # 12 GiB left for others, the grant holds 3
+    await commit_elsewhere(kube, "other-replicas-pod", 12_000)
+    await settle()
+    assert room(GPU.uuid) == ROOM - 1024 - 3072 - 12_000
+    [relieved] = ledger.grants.relieve(room)
+    assert relieved.key == grant.key
+    await settle()
+    assert grants_in(kube) == []
+    assert room(GPU.uuid) == ROOM - 1024 - 12_000  # its room is everyone's again

@@ -42,8 +42,13 @@ class MemoryLedger:
         """Names of pods that exist."""
         self.grant_rooms: list[int | None] = []
         """Each commit's `grant_room_mib`."""
+        self.relieved: list[dict[str, int | None]] = []
+        """What each `relieve_grants` was told of each GPU's room."""
         self.granted: dict[str, int] = {}
         """What `grant_credit` answers: GPU UUID -> MiB this replica's grant there holds."""
+
+    def relieve_grants(self, room_for_others: Callable[[str], int | None]) -> None:
+        self.relieved.append({g.uuid: room_for_others(g.uuid) for g in self.gpus})
 
     def grant_credit(self, mib: int) -> dict[str, int]:
         return {uuid: left for uuid, left in self.granted.items() if left >= mib}

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from vramshare.domain import AllocationRequest, Choice, Refusal, choose, could_ever_fit, model_matches
@@ -148,11 +149,24 @@ async def _attempt(
         ctx.metrics.commit_seconds.observe(time.perf_counter() - committing)
     if conflicted is not None:
         return _Conflicted(gpu_uuid=conflicted)
+    ctx.ledger.relieve_grants(_room_for_others(snapshot, ctx=ctx))
     ctx.refused_tasks.forget(facts.task_key)
     for hold in snapshot.holds_for(facts.task_key):  # its task is in: the held memory is its own now
         await ctx.ledger.withdraw_hold(hold.namespace, hold.name)
         admitted["hold_used"] = hold.gpu_uuid
     return Admit(placement=placement, patch=patch, reason=Reason.FITS, details=admitted)
+
+
+def _room_for_others(snapshot: Snapshot, *, ctx: Context) -> Callable[[str], int | None]:
+    """A GPU's headroom as every replica computes it now (grants' remainders counted as booked), from
+    a live view; None for a GPU it does not show, and for all on a consistent read."""
+    index = snapshot.index
+    if index is None:
+        return lambda uuid: None
+    accounting = ctx.settings.accounting
+    figures = index.figures_by(settle_s=accounting.settle_s, safety_margin_mib=accounting.safety_margin_mib)
+    gpus = {g.uuid: g for g in snapshot.gpus}
+    return lambda uuid: figures(gpus[uuid], False)[2] if uuid in gpus else None
 
 
 def _unknown_model(alloc: AllocationRequest, snapshot: Snapshot) -> Invalid | None:

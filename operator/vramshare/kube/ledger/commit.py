@@ -200,6 +200,11 @@ class CommitProtocol(LedgerView):
                 entry.abandoned = True
             raise
 
+    def relieve_grants(self, room_for_others: Callable[[str], int | None]) -> None:
+        """Give back this process's grants that hold more than their GPU has left for others."""
+        if self.grants is not None:
+            self.grants.relieve(room_for_others)
+
     def grant_credit(self, mib: int) -> dict[str, int]:
         """GPU UUID -> what this process's grant there still holds, where it takes a pod of `mib`."""
         return self.grants.credit(mib) if self.grants is not None else {}

@@ -16,13 +16,14 @@ import asyncio
 import hashlib
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
+from typing import Any
 
 import structlog
 
 from vramshare.domain import LedgerIndex, ReservationPhase
-from vramshare.domain.grants import GrantTerms, grant_size, takes
+from vramshare.domain.grants import GrantTerms, grant_size, relieves, takes
 from vramshare.kube.client import ApiError, KubeClient
 from vramshare.kube.objects import GpuReservation
 from vramshare.kube.resources import ANNOTATION_GRANT_RENEWED, reservations_path
@@ -91,6 +92,7 @@ class Grants:
         self._held: dict[str, list[HeldGrant]] = {}
         """GPU UUID -> this process's grants on it, committed or on their way."""
         self._keeper: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
         self.taken = 0
         self.given_back = 0
         self.closed = False
@@ -159,7 +161,7 @@ class Grants:
             if grant.key == created.key:
                 grant.reservation = created
                 if self.closed:
-                    asyncio.get_running_loop().create_task(self.give_back(grant))
+                    self._spawn(self.give_back(grant))
                     return
                 grant.usable_until = sent_at + self.terms.usable_for_s
                 self.taken += 1
@@ -198,6 +200,32 @@ class Grants:
 
     def held(self) -> list[HeldGrant]:
         return [g for grants in self._held.values() for g in grants]
+
+    def relieve(self, room_for_others: Callable[[str], int | None]) -> list[HeldGrant]:
+        """Give back each committed grant that holds more than its GPU has left for everyone else
+        (`room_for_others`: the GPU's headroom as any replica computes it, this grant's remainder
+        counted as booked): as a GPU fills, grants give their room back rather than hold it while
+        other replicas refuse pods. Returns the grants given back (their deletes run on their own)."""
+        index = self._index()
+        relieved = []
+        for grant in self.held():
+            left = index.grant_remainder(grant.key, grant.gpu_uuid)
+            room = room_for_others(grant.gpu_uuid)
+            if (
+                grant.usable_until > 0
+                and left
+                and room is not None
+                and relieves(remainder_mib=left, room_for_others_mib=room)
+            ):
+                grant.usable_until = 0.0
+                relieved.append(grant)
+                self._spawn(self.give_back(grant))
+        return relieved
+
+    def _spawn(self, coroutine: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     # -- keeping ---------------------------------------------------------------------------------
 
@@ -296,4 +324,4 @@ class Grants:
         held = self.held()
         for grant in held:
             grant.usable_until = 0.0
-        await asyncio.gather(*(self.give_back(g) for g in held if g.reservation.meta.uid))
+        await asyncio.gather(*(self.give_back(g) for g in held if g.reservation.meta.uid), *self._tasks)
