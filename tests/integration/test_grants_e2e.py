@@ -166,10 +166,11 @@ def hold_grants(local: LocalCluster, prefix: str) -> None:
 def test_a_replica_killed_with_grants_held_loses_them_once_they_lapse(
     stack: tuple[LocalCluster, dict[str, int]],
 ) -> None:
-    local, _ = stack
+    local, ports = stack
     hold_grants(local, "k")
     held = {g.key for g in grants_of(local, "b") if g.phase is ReservationPhase.GRANTED}
     assert held
+    assert metric(ports["b"], "vramshare_webhook_grants_held") >= 1
     local.stop_component("webhook-b", kill=True)  # its grants stay behind, unrenewed
     killed = time.monotonic()
 

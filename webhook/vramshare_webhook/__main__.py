@@ -95,6 +95,8 @@ async def serve(settings: WebhookSettings) -> None:
                 on_write=ledger.on_write,
             )
             ledger.on_inside_grant = metrics.grant_bookings.inc
+            grants = ledger.grants
+            metrics.grants_held.set_function(lambda: len(grants.held()))
         gpu_pods = ledger.pods
         assert gpu_pods is not None
         tls, secret = await _certificates(settings, kube)

@@ -64,6 +64,11 @@ class WebhookMetrics:
             "(grant_pods).",
             registry=self.registry,
         )
+        self.grants_held = Gauge(
+            "vramshare_webhook_grants_held",
+            "Grants this replica holds (committed or on their way): room on a GPU it books its own pods in.",
+            registry=self.registry,
+        )
         self.replicas_up = Gauge(
             "vramshare_webhook_replicas_up",
             "Webhook replicas this one sees up (pods ready behind its Service with replica_service, or "

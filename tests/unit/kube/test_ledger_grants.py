@@ -318,3 +318,29 @@ async def test_a_grant_holding_more_than_its_gpu_has_left_for_others_is_given_ba
     await settle()
     assert grants_in(kube) == []
     assert room(GPU.uuid) == ROOM - 1024 - 12_000  # its room is everyone's again
+
+
+async def test_a_burst_decided_while_a_grant_is_on_its_way_takes_no_second_one(
+    granting: tuple[FakeKube, KubeLedger, Clock],
+) -> None:
+    """Pods decided before the first grant is committed and recorded go outside it, each with the
+    bump they would have had anyway, but do not each take a grant of their own."""
+    kube, ledger, _ = granting
+    token = (await ledger.snapshot()).tokens[GPU.uuid]
+    await asyncio.gather(
+        *(
+            ledger.commit(reservation=booking(f"b{i}", 256), token=token, live=True, grant_room_mib=8192)
+            for i in range(6)
+        )
+    )
+    await settle()
+    assert len(grants_in(kube)) == 1  # not recorded yet: nothing more is taken
+    [grant] = grants_in(kube)
+    path = reservations_path("vramshare", grant["metadata"]["name"])
+    await kube.merge_patch(f"{path}/status", {"status": {"phase": "Granted"}})
+    await settle()
+    token = (await ledger.snapshot()).tokens[GPU.uuid]
+    made = await ledger.commit(
+        reservation=booking("inside", 256), token=token, live=True, grant_room_mib=8192
+    )
+    assert made.spec.grant.endswith(grant["metadata"]["name"])

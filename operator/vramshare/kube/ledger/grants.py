@@ -132,6 +132,13 @@ class Grants:
         the GPU's headroom once the booking is made."""
         if self.closed or self.clock() < self.paused_until:
             return None
+        index = self._index()
+        for held in self._held.get(booking.spec.gpu_uuid, ()):
+            seen = index.get(held.key)
+            if held.usable_until <= 0 or seen is None or not seen.acknowledged:
+                # One is on its way (its commit, or the controller's record of it): a burst of pods
+                # decided meanwhile must not take a grant each.
+                return None
         size = grant_size(terms=self.terms, pod_mib=booking.spec.memory_mib, room_left_mib=room_left_mib)
         if size <= 0:
             return None
