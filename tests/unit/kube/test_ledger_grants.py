@@ -344,3 +344,26 @@ async def test_a_burst_decided_while_a_grant_is_on_its_way_takes_no_second_one(
         reservation=booking("inside", 256), token=token, live=True, grant_room_mib=8192
     )
     assert made.spec.grant.endswith(grant["metadata"]["name"])
+
+
+async def test_a_booking_whose_grant_was_given_back_while_it_was_created_is_withdrawn(
+    granting: tuple[FakeKube, KubeLedger, Clock], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reader that saw the grant go before the booking came would count neither: the booking must
+    not stand, and its pod decides again."""
+    kube, ledger, _ = granting
+    await take_one(kube, ledger)
+    assert ledger.grants is not None
+    [held] = ledger.grants.held()
+    create = kube.create
+
+    async def create_after_the_give_back(path: str, obj: dict[str, Any], **kw: Any) -> dict[str, Any]:
+        assert ledger.grants is not None
+        await ledger.grants.give_back(held)
+        return await create(path, obj, **kw)
+
+    monkeypatch.setattr(kube, "create", create_after_the_give_back)
+    token = (await ledger.snapshot()).tokens[GPU.uuid]
+    with pytest.raises(CommitConflictError):
+        await ledger.commit(reservation=booking("late", 1024), token=token, live=True)
+    assert reservations_path("jobs", "late") not in kube.objects

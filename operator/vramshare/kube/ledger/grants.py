@@ -309,7 +309,9 @@ class Grants:
 
     async def give_back(self, grant: HeldGrant) -> None:
         """Stop booking inside `grant` and delete it. Its bookings then count on their own, and every
-        reader that sees it gone has seen them: no bump is needed (`vramshare.domain.grants`)."""
+        reader that sees it gone has seen them: no bump is needed (`vramshare.domain.grants`). A
+        booking inside it still on its way is withdrawn when its create comes back (`still_usable`)."""
+        grant.usable_until = 0.0
         self._forget(grant.key, grant.gpu_uuid)
         path = reservations_path(grant.reservation.namespace, grant.reservation.name)
         try:
