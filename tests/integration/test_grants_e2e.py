@@ -120,13 +120,33 @@ def test_pods_through_two_replicas_with_grants_never_overbook_and_mostly_skip_th
     local, ports = stack
     sizes = {d.spec.uuid: d.status.total_mib for d in devices(local) if d.status is not None}
     fit = sum(size // 2048 for size in sizes.values())
-    placed = burst(local, pods=2 * fit, mib=2048, prefix="g")  # twice what the fleet holds
+    try:
+        placed = burst(local, pods=2 * fit, mib=2048, prefix="g")  # twice what the fleet holds
+        check_the_burst(local, ports, placed=placed, fit=fit)
+    finally:
+        clear(local)  # the next tests need room
+
+
+def check_the_burst(
+    local: LocalCluster, ports: dict[str, int], *, placed: list[tuple[str, str | None]], fit: int
+) -> None:
     admitted = {(ns, name) for ns, name in placed if name is not None}
     assert 0 < len(admitted) <= fit
+
+    def active_bookings() -> set[tuple[str, str]]:
+        return {
+            (r.namespace, r.name)
+            for r in ledger(local)
+            if r.granted_to == "" and r.labelled_active and r.phase.is_active
+        }
+
+    # Every admitted pod booked once, nothing for a refused one: a booking withdrawn in the
+    # background (an answer past its deadline under load) or left to expire counts until then.
+    eventually(
+        lambda: active_bookings() == admitted, what="one active booking per admitted pod", timeout_s=40
+    )
     reservations = ledger(local)
-    pod_bookings = {(r.namespace, r.name) for r in reservations if r.granted_to == ""}
-    assert pod_bookings == admitted  # every admitted pod booked once, nothing for a refused one
-    inside = [r for r in reservations if r.spec.grant]
+    inside = [r for r in reservations if r.spec.grant and r.labelled_active and r.phase.is_active]
     for d in devices(local):
         assert d.status is not None
         on_gpu = [r.to_domain() for r in reservations if r.spec.gpu_uuid == d.spec.uuid]
@@ -145,9 +165,8 @@ def test_pods_through_two_replicas_with_grants_never_overbook_and_mostly_skip_th
         f"\n[grants] {len(admitted)} of {2 * fit} pods admitted through two replicas where {fit} fit, "
         f"{len(inside)} inside a grant, {bumps:g} token bumps; grants still held: {len(held)}"
     )
-    assert made_inside == len(inside) > 0
+    assert made_inside >= len(inside) > 0  # an answer past its deadline withdraws its booking
     assert {g.status.phase for g in held} <= {ReservationPhase.GRANTED}  # recorded by the controller
-    clear(local)
 
 
 def hold_grants(local: LocalCluster, prefix: str) -> None:
@@ -159,7 +178,7 @@ def hold_grants(local: LocalCluster, prefix: str) -> None:
                 g.status.phase is ReservationPhase.GRANTED and g.labelled_active for g in grants_of(local, r)
             ),
             what=f"a recorded grant of webhook-{replica}",
-            timeout_s=10,
+            timeout_s=30,
         )
 
 
