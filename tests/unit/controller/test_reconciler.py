@@ -469,17 +469,7 @@ async def test_a_grant_lapses_once_unchanged_for_its_duration_and_not_while_rene
     mono = [0.0]
     async with setup() as (kube, reconciler):
         reconciler._renewals.clock = lambda: mono[0]
-        grant = GpuReservation.granted(
-            name="g1",
-            namespace="vramshare",
-            mib=8192,
-            gpu_uuid="GPU-a",
-            node="node-a",
-            gpu_index=0,
-            holder="webhook-0",
-            holder_hash="abc",
-            lasts_s=3,
-        )
+        grant = a_grant("g1", lasts_s=3)
         path = reservations_path("vramshare", "g1")
         await kube.create(reservations_path("vramshare"), grant.to_wire())
         await fed()
@@ -507,18 +497,23 @@ async def test_a_grant_lapses_once_unchanged_for_its_duration_and_not_while_rene
 async def test_a_new_grant_is_recorded_granted_at_once() -> None:
     """Its holder books inside it only once the controller has recorded it: not at the next sweep."""
     async with setup() as (kube, reconciler):
-        grant = GpuReservation.granted(
-            name="g2",
-            namespace="vramshare",
-            mib=8192,
-            gpu_uuid="GPU-a",
-            node="node-a",
-            gpu_index=0,
-            holder="webhook-0",
-            holder_hash="abc",
-            lasts_s=15,
-        )
+        grant = a_grant("g2", lasts_s=15)
         created = await kube.create(reservations_path("vramshare"), grant.to_wire())
         reconciler.reservation_changed(GpuReservation.from_wire(created), presence=lambda: PRESENT)
         await fed()
         assert kube.objects[reservations_path("vramshare", "g2")]["status"]["phase"] == "Granted"
+
+
+def a_grant(name: str, *, lasts_s: float) -> GpuReservation:
+    """A grant of webhook-0 on GPU-a, as the webhook creates it."""
+    return GpuReservation.granted(
+        name=name,
+        namespace="vramshare",
+        mib=8192,
+        gpu_uuid="GPU-a",
+        node="node-a",
+        gpu_index=0,
+        holder="webhook-0",
+        holder_hash="abc",
+        lasts_s=lasts_s,
+    )

@@ -55,6 +55,14 @@ async def granting() -> AsyncIterator[tuple[FakeKube, KubeLedger, Clock]]:
         ledger.grants._keeper and ledger.grants._keeper.cancel()
 
 
+async def record(kube: FakeKube, grant: GpuReservation, phase: str, *, reason: str | None = None) -> None:
+    """The controller's part: it writes the grant's phase (Granted when it records it, Expired when it
+    ends it), and the replica's watch takes it in."""
+    status = {"phase": phase, **({"reason": reason} if reason else {})}
+    await kube.merge_patch(reservations_path(grant.namespace, grant.name) + "/status", {"status": status})
+    await settle()
+
+
 def bumps(kube: FakeKube) -> int:
     return sum(op == "merge_patch" and path == DEVICE for op, path in kube.calls)
 
@@ -75,9 +83,7 @@ async def take_one(
     assert ledger.grants is not None
     [held] = ledger.grants.held()
     if recorded:
-        path = reservations_path(held.reservation.namespace, held.reservation.name)
-        await kube.merge_patch(f"{path}/status", {"status": {"phase": "Granted"}})
-        await settle()
+        await record(kube, held.reservation, "Granted")
     return held.reservation
 
 
@@ -237,9 +243,7 @@ async def test_a_grant_the_controller_has_not_recorded_takes_no_booking(
     token = (await ledger.snapshot()).tokens[GPU.uuid]
     made = await ledger.commit(reservation=booking("early", 1024), token=token, live=True)
     assert made.spec.grant == ""
-    path = reservations_path(grant.namespace, grant.name)
-    await kube.merge_patch(f"{path}/status", {"status": {"phase": "Granted"}})
-    await settle()
+    await record(kube, grant, "Granted")
     made = await ledger.commit(reservation=booking("recorded", 1024), token=token, live=True)
     assert made.spec.grant == grant.key
 
@@ -250,9 +254,7 @@ async def test_a_grant_this_view_shows_ended_takes_no_booking_at_once(
     """Not at the next renewal: the moment the replica's watch shows the controller ended it."""
     kube, ledger, _ = granting
     grant = await take_one(kube, ledger)
-    path = reservations_path(grant.namespace, grant.name)
-    await kube.merge_patch(f"{path}/status", {"status": {"phase": "Expired", "reason": "GrantLapsed"}})
-    await settle()
+    await record(kube, grant, "Expired", reason="GrantLapsed")
     token = (await ledger.snapshot()).tokens[GPU.uuid]
     made = await ledger.commit(reservation=booking("after", 1024), token=token, live=True)
     assert made.spec.grant == ""
