@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from tests.unit.controller.test_reconciler_grants import a_grant
 from tests.unit.domain.builders import NOW
 from vramshare.controller.devices import conditions
 from vramshare.controller.reservations import plan, pod_sighting
@@ -431,18 +432,8 @@ def test_what_the_crds_default_shows_is_read_as_nothing_written() -> None:
     assert make(obj("Reserved", age=1), None).empty
 
 
-def _grant(lasts: str = "15") -> GpuReservation:
-    return GpuReservation.granted(
-        name="vramshare-grant-1",
-        namespace="vramshare",
-        mib=8192,
-        gpu_uuid="GPU-a",
-        node="node-a",
-        gpu_index=0,
-        holder="webhook-0",
-        holder_hash="abc",
-        lasts_s=float(lasts),
-    )
+def _grant() -> GpuReservation:
+    return a_grant("vramshare-grant-1", lasts_s=15)
 
 
 def test_a_grant_shows_as_granted_has_no_finalizer_and_lapses_only_unrenewed() -> None:
