@@ -34,14 +34,10 @@ from vramshare_e2e.admission_parts import FLOOR_PLURAL, start_mutating_webhook, 
 from vramshare_e2e.bench_admission_report import chart, summary
 from vramshare_e2e.bench_decision import decision_curve
 from vramshare_e2e.bench_measure import (
-    SETTLE_S,
-    api_requests,
     clean_namespaces,
-    cpu_seconds,
     create_pods,
     decision_quantiles,
     latency_stats,
-    machine_cpu_seconds,
     peak_rss_mib,
     pin,
     ratios,
@@ -51,6 +47,7 @@ from vramshare_e2e.bench_measure import (
     writes_between,
 )
 from vramshare_e2e.bench_no_gpu import NO_GPU_ROUNDS, no_gpu_phase
+from vramshare_e2e.bench_phase import PhaseResult, run_phase
 from vramshare_e2e.cluster import LocalCluster
 from vramshare_e2e.components import (
     WEBHOOK_ACCOUNT,
@@ -61,73 +58,6 @@ from vramshare_e2e.components import (
     start_webhook,
     webhook_configuration,
 )
-
-
-class _Phase:
-    """What the cluster spent on one phase of pods: API requests and CPU, per pod."""
-
-    def __init__(self, cluster: LocalCluster) -> None:
-        self.cluster = cluster
-        self.requests = api_requests(cluster)
-        self.cpu = cpu_seconds(cluster)
-        self.machine = machine_cpu_seconds()
-        self.machine_created: float | None = None
-        self.polls = 0
-        """The phase's own LISTs of pods (`settle`), left out of its count."""
-        self.not_running = 0
-
-    def created(self) -> None:
-        """The phase's last pod is created: what the machine spent from here on is the work that
-        followed the creations (bindings, kwok's status, events, vramshare's controller)."""
-        self.machine_created = machine_cpu_seconds()
-
-    def settle(self, core: Any, namespaces: list[str]) -> None:
-        """Wait until every pod of the phase runs (scheduled, bound, its status written by kwok), then
-        `SETTLE_S` more for what follows (events; vramshare's controller binding the booking), so
-        that a phase's work is counted in that phase. A fixed wait alone did not do it: the faster
-        phases' pods were created quicker than the scheduler binds (its client is rate limited), and
-        up to a fifth of their bindings, kwok's status writes and events landed in the next phase
-        (the one-write floor's in vramshare's) on runs of 2026-12-06."""
-        deadline = time.monotonic() + SETTLE_TIMEOUT_S
-        while True:
-            waiting = 0
-            for namespace in namespaces:
-                self.polls += 1
-                listed = core.list_namespaced_pod(
-                    namespace, field_selector="status.phase!=Running", resource_version="0"
-                )
-                waiting += len(listed.items)
-            self.not_running = waiting
-            if not waiting or time.monotonic() > deadline:
-                break
-            time.sleep(0.5)
-        time.sleep(SETTLE_S)
-
-    def per_pod(self, pods: int) -> dict[str, Any]:
-        requests, cpu = api_requests(self.cluster), cpu_seconds(self.cluster)
-        made = {k: v - self.requests.get(k, 0.0) for k, v in requests.items()}
-        made["pods/list"] = made.get("pods/list", 0.0) - self.polls
-        cost: dict[str, Any] = {
-            "api_requests": {k: round(v / pods, 2) for k, v in sorted(made.items()) if v >= pods / 20},
-            "api_requests_total": round(sum(made.values()) / pods, 2),
-            "cpu_ms": {k: round((v - self.cpu.get(k, 0.0)) * 1000 / pods, 2) for k, v in cpu.items()},
-        }
-        if self.machine_created is not None:
-            # The latency and throughput of a phase follow the CPU spent while its pods are created:
-            # both phases keep the machine busy, and a faster phase leaves more of its follow-up
-            # work (the scheduler's bindings, at its client's rate limit) until after.
-            cost["machine_cpu_ms"] = {
-                "while_creating": round((self.machine_created - self.machine) * 1000 / pods, 2),
-                "after": round((machine_cpu_seconds() - self.machine_created) * 1000 / pods, 2),
-            }
-        if self.not_running:
-            cost["pods_not_running"] = self.not_running
-        return cost
-
-
-SETTLE_TIMEOUT_S = 60.0
-"""How long a phase waits for its pods to run before it is counted anyway (and says how many did not)."""
-
 
 FLOOR_SPACES = ["floor-a", "floor-b"]
 """The one-write floor's namespaces, one per replica (as vramshare's gpu-a and gpu-b)."""
@@ -166,10 +96,16 @@ def admission(
     scale: bool = True,
     levels: list[int] | None = None,
     cores_split: bool = False,
+    hold_scheduler: bool = False,
 ) -> dict[str, Any]:
     levels = levels or ([1, 4] if smoke else [1, 4, 16, 64])
     pods = 12 if smoke else 240
-    result: dict[str, Any] = {"pods_per_level": pods, "levels": {}, "layout": "shared"}
+    result: dict[str, Any] = {
+        "pods_per_level": pods,
+        "levels": {},
+        "layout": "shared",
+        "scheduler": "held while each phase's pods are created" if hold_scheduler else "running",
+    }
     with LocalCluster.start() as cluster:
         # The scale section stops the controller (it would expire the pod-less fillers), so samples
         # must stay usable without it for the length of the run.
@@ -235,39 +171,32 @@ def admission(
                 f"concurrency {level}: {pods} plain pods, {pods} through a null webhook, {pods} through "
                 f"one-write webhooks (the floor), {pods} GPU pods"
             )
-            phase = _Phase(cluster)
-            base_lat, base_wall, base_err = create_pods(core, ["plain"], pods, level, False, f"b{level}")
-            phase.created()
-            # What follows each pod's creation (scheduling, kwok's status, vramshare's controller binding
-            # the booking) is counted too: each phase's count waits for it to land.
-            phase.settle(core, ["plain"])
-            cost = {"baseline": phase.per_pod(pods)}
-            phase = _Phase(cluster)
-            null_lat, null_wall, null_err = create_pods(core, ["null"], pods, level, False, f"n{level}")
-            phase.created()
-            phase.settle(core, ["null"])
-            cost["null_webhook"] = phase.per_pod(pods)
-            phase = _Phase(cluster)
-            floor_lat, floor_wall, floor_err = create_pods(
-                core, FLOOR_SPACES, pods, level, False, f"f{level}"
-            )
-            phase.created()
-            phase.settle(core, FLOOR_SPACES)
-            cost["one_write_floor"] = phase.per_pod(pods)
-            before = webhook_metrics(ports)
-            phase = _Phase(cluster)
-            vs_lat, vs_wall, vs_err = create_pods(core, ["gpu-a", "gpu-b"], pods, level, True, f"v{level}")
-            phase.created()
-            phase.settle(core, ["gpu-a", "gpu-b"])
-            cost["vramshare"] = phase.per_pod(pods)
+            phases: dict[str, PhaseResult] = {}
+            before: dict[str, float] = {}
+            for case, namespaces, annotated, tag in (
+                ("baseline", ["plain"], False, "b"),
+                ("null_webhook", ["null"], False, "n"),
+                ("one_write_floor", FLOOR_SPACES, False, "f"),
+                ("vramshare", ["gpu-a", "gpu-b"], True, "v"),
+            ):
+                if case == "vramshare":
+                    before = webhook_metrics(ports)
+                phases[case] = run_phase(
+                    cluster,
+                    core,
+                    namespaces=namespaces,
+                    pods=pods,
+                    concurrency=level,
+                    annotated=annotated,
+                    tag=f"{tag}{level}",
+                    hold_scheduler=hold_scheduler,
+                )
             after = webhook_metrics(ports)
             base, null, floor, vs = (
-                latency_stats(base_lat, base_wall),
-                latency_stats(null_lat, null_wall),
-                latency_stats(floor_lat, floor_wall),
-                latency_stats(vs_lat, vs_wall),
+                latency_stats(phases[case].latencies, phases[case].wall_s)
+                for case in ("baseline", "null_webhook", "one_write_floor", "vramshare")
             )
-            admitted = pods - vs_err
+            admitted = pods - phases["vramshare"].errors
             writes = writes_between(before, after)
             result["levels"][str(level)] = {
                 "baseline": base,
@@ -278,12 +207,7 @@ def admission(
                 "against_null_webhook": ratios(vs, null),
                 "floor_vs_baseline": ratios(floor, base),
                 "against_floor": ratios(vs, floor),
-                "errors": {
-                    "baseline": base_err,
-                    "null_webhook": null_err,
-                    "one_write_floor": floor_err,
-                    "vramshare": vs_err,
-                },
+                "errors": {case: phase.errors for case, phase in phases.items()},
                 "webhook_decision": decision_quantiles(before, after),
                 "webhook_choose": decision_quantiles(before, after, "choose"),
                 "webhook_commit": decision_quantiles(before, after, "commit"),
@@ -295,7 +219,7 @@ def admission(
                 - before.get("vramshare_webhook_consistent_reads_total", 0),
                 "api_writes": writes,
                 "api_writes_per_admission": round(sum(writes.values()) / admitted, 2) if admitted else None,
-                "cost_per_pod": cost,
+                "cost_per_pod": {case: phase.cost for case, phase in phases.items()},
             }
             clean_namespaces(cluster, spaces)
             cluster.kubectl("delete", FLOOR_PLURAL, "--all", "-A", "--wait=false")
@@ -420,12 +344,21 @@ def run(
     scale: bool = True,
     levels: list[int] | None = None,
     cores_split: bool = False,
+    hold_scheduler: bool = False,
 ) -> dict[str, Any]:
     """The whole benchmark. Without `scale` the ledger-size steps (filling 100 000 bookings takes
     about half an hour here) are not run, and the last run's are kept, marked with their date. With
-    `cores_split`, the cluster and its workloads run on separate halves of the machine's CPUs."""
+    `cores_split`, the cluster and its workloads run on separate halves of the machine's CPUs; with
+    `hold_scheduler`, no pod is bound while a phase's pods are created (`bench_phase.scheduler_held`)."""
     report: dict[str, Any] = {"smoke": smoke, "levels": {}}
-    adm = admission(smoke=smoke, show=show, scale=scale, levels=levels, cores_split=cores_split)
+    adm = admission(
+        smoke=smoke,
+        show=show,
+        scale=scale,
+        levels=levels,
+        cores_split=cores_split,
+        hold_scheduler=hold_scheduler,
+    )
     report.update(adm)
     previous = out / "admission.json"
     if not scale and previous.exists():
@@ -464,6 +397,12 @@ def main(argv: list[str] | None = None) -> None:
         help="the cluster (control plane, kwok, monitoring) on one half of the CPUs, the webhooks, the "
         "controller and the load generator on the other, as pods run on nodes; write to another --out",
     )
+    parser.add_argument(
+        "--hold-scheduler",
+        action="store_true",
+        help="stop the scheduler while each phase's pods are created, so that every phase's bindings "
+        "and what follows them land after its creations: the admission path alone; write to another --out",
+    )
     args = parser.parse_args(argv)
     run(
         smoke=args.smoke,
@@ -472,6 +411,7 @@ def main(argv: list[str] | None = None) -> None:
         scale=not args.no_scale,
         levels=args.levels,
         cores_split=args.split_cores,
+        hold_scheduler=args.hold_scheduler,
     )
 
 

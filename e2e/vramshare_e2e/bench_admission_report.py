@@ -48,7 +48,7 @@ def summary(report: dict[str, Any]) -> str:
     lines = [
         f"Admission: {report['pods_per_level']} pods per level; "
         "plain, null webhook and vramshare on one API server; "
-        f"CPUs {report.get('layout', 'shared')}",
+        f"CPUs {report.get('layout', 'shared')}; the scheduler {report.get('scheduler', 'running')}",
         f"{'conc':>4}  {'plain p50':>9} {'p99':>8} {'pods/s':>7}  {'null p50':>9} {'p99':>8}  "
         f"{'vram p50':>9} {'p99':>8} {'pods/s':>7}  {'r50':>5} {'r99':>5} {'thr':>5}  "
         f"{'decision p50/p99':>17}  writes/adm  conflicts  rebased",
@@ -80,6 +80,7 @@ def summary(report: dict[str, Any]) -> str:
             cpu = cost["cpu_ms"]
             unsettled = cost.get("pods_not_running")
             machine = cost.get("machine_cpu_ms")
+            creating = cost.get("cpu_ms_while_creating") or {}
             lines.append(
                 f"      per pod, {case}: {cost['api_requests_total']:.2f} API requests "
                 f"({', '.join(f'{k} {v:g}' for k, v in cost['api_requests'].items())}); CPU ms "
@@ -88,6 +89,12 @@ def summary(report: dict[str, Any]) -> str:
                     f"; the whole machine {machine['while_creating']:.1f} ms while creating, "
                     f"{machine['after']:.1f} after"
                     if machine
+                    else ""
+                )
+                + (
+                    "; of which while creating "
+                    + ", ".join(f"{k} {v:.1f}" for k, v in creating.items() if v >= 0.05)
+                    if creating
                     else ""
                 )
                 + (f"; {unsettled} pods not running when counted" if unsettled else "")

@@ -20,7 +20,16 @@ from vramshare_e2e.cluster import LocalCluster
 FLOOR_WEBHOOKS = ("e2e-one-write-0", "e2e-one-write-1")
 
 
-CPU_OF = ("kube-apiserver", "etcd", "webhook-a", "webhook-b", "controller", "kwok", *FLOOR_WEBHOOKS)
+CPU_OF = (
+    "kube-apiserver",
+    "etcd",
+    "kube-scheduler",
+    "webhook-a",
+    "webhook-b",
+    "controller",
+    "kwok",
+    *FLOOR_WEBHOOKS,
+)
 
 
 def is_workload(component: str) -> bool:

@@ -4,11 +4,15 @@ Timings are printed, never asserted."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
+from kubernetes import client
 
 from vramshare_e2e import bench_admission, bench_controller, bench_fleet, bench_measure, bench_packing
+from vramshare_e2e.bench_phase import run_phase, scheduler_held
+from vramshare_e2e.cluster import LocalCluster
 
 
 def test_packing_smoke(tmp_path: Path) -> None:
@@ -70,6 +74,7 @@ def test_admission_smoke(tmp_path: Path) -> None:
     report = bench_admission.run(smoke=True, out=tmp_path, show=print)
     assert json.loads((tmp_path / "admission.json").read_text()) == report
     assert set(report["levels"]) == {"1", "4"}
+    assert report["scheduler"] == "running"
     floor_cpu_ms: list[float] = []  # the floor webhooks' CPU per pod, at every level
     for level in report["levels"].values():
         for side in ("baseline", "null_webhook", "one_write_floor", "vramshare"):
@@ -106,6 +111,10 @@ def test_admission_smoke(tmp_path: Path) -> None:
             machine = cost[case]["machine_cpu_ms"]
             assert machine["while_creating"] > 0, machine
             assert machine["after"] > 0, machine
+            # Each component's CPU up to the phase's last create is part of its CPU in all.
+            creating = cost[case]["cpu_ms_while_creating"]
+            assert creating["kube-apiserver"] > 0, creating
+            assert all(v <= cost[case]["cpu_ms"][k] for k, v in creating.items()), (creating, cost[case])
         assert cost["vramshare"]["api_requests"]["gpureservations/post"] >= 1
         # The floor made its one write per pod, of its own kind (no GpuReservation), and its webhooks'
         # CPU is counted (measured below over both levels: /proc counts it in 10 ms ticks, and one
@@ -144,6 +153,46 @@ def test_admission_smoke(tmp_path: Path) -> None:
         assert all(v > 0 for v in scale["webhook_rss_mib"].values())
         assert scale["controller_rss_mib"] > 0
     assert all(v > 0 for v in report["decision_curve"]["ms"].values())
+
+
+@pytest.mark.cluster
+def test_a_held_scheduler_binds_nothing_until_released(
+    cluster: LocalCluster, core: client.CoreV1Api, namespace: str
+) -> None:
+    """`--hold-scheduler`: a pod created while the scheduler is held stays unbound (2 s, where the
+    scheduler binds in milliseconds), and is bound once the hold ends; a whole phase run with the hold
+    counts its pods' bindings after their creations, and still waits for them to run."""
+    pod = {
+        "metadata": {"name": "held"},
+        "spec": {"containers": [{"name": "c", "image": "example.invalid/x"}]},
+    }
+    with scheduler_held(cluster, hold=True):
+        core.create_namespaced_pod(namespace, pod)
+        time.sleep(2)
+        assert not core.read_namespaced_pod("held", namespace).spec.node_name
+    cluster.wait_for(
+        lambda: bool(core.read_namespaced_pod("held", namespace).spec.node_name),
+        what="the held pod bound once the hold ended",
+        timeout_s=30,
+    )
+    phase = run_phase(
+        cluster,
+        core,
+        namespaces=[namespace],
+        pods=8,
+        concurrency=4,
+        annotated=False,
+        tag="p",
+        hold_scheduler=True,
+    )
+    assert phase.errors == 0
+    assert "pods_not_running" not in phase.cost, phase.cost
+    # No binding while the pods were created; all of them after (the API server counts a binding as a
+    # create of the pods' binding subresource, under pods/post).
+    assert phase.cost["api_requests"]["pods/post"] >= 2, phase.cost
+    creating = phase.cost["cpu_ms_while_creating"]
+    assert creating.get("kube-scheduler", 0.0) == 0.0, creating
+    assert phase.cost["cpu_ms"]["kube-scheduler"] > 0, phase.cost
 
 
 @pytest.mark.cluster
