@@ -3,10 +3,7 @@
 - `label` and `sidecar`: small but real mutating webhooks over TLS, as Kyverno mutations and sidecar
   injectors are. Registered after vramshare, they make the API server reinvoke vramshare.
 - `null`: a TLS webhook that allows at once, the benchmark's measure of what a webhook call costs.
-- `one-write`: a TLS webhook that makes one durable write per pod (a `FloorBooking`, a copy of the
-  GpuReservation kind under another group, so that vramshare does not act on it) and then allows,
-  with each replica watching them all: the floor of any design in which webhook replicas book in the
-  API server and see each other's bookings (issue #31), measured next to vramshare.
+- The benchmark's floors (one durable write per pod, watched) are in `vramshare_e2e.floor_webhook`.
 - `delay-proxy`: a TCP proxy in front of a webhook that holds its answers back, so the API server gives
   up on the call while the webhook goes on (what a slow network or an overloaded node does).
 - `auth-proxy`: an HTTPS reverse proxy in front of Prometheus that wants a bearer token and a tenant
@@ -29,13 +26,11 @@ import socket
 import ssl
 import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-import yaml
 from aiohttp import ClientSession, web
 
-from vramshare_e2e.cluster import CRDS_DIR, LocalCluster
+from vramshare_e2e.cluster import LocalCluster
 from vramshare_e2e.components import POD_CREATE_RULES
 from vramshare_e2e.ports import free_port
 from vramshare_e2e.process import Component, http_ok
@@ -77,73 +72,6 @@ def webhook_app(mode: str) -> web.Application:
         return web.Response(text="ok")
 
     app = web.Application()
-    app.router.add_post("/mutate", mutate)
-    app.router.add_get("/healthz", healthz)
-    return app
-
-
-FLOOR_GROUP = "floor.bench.vramshare.io"
-FLOOR_PLURAL = "floorbookings"
-
-
-def floor_crd(reservation_crd: dict[str, Any]) -> dict[str, Any]:
-    """The GpuReservation CRD under another group and kind, its schema and validation unchanged: a
-    booking as costly to store, validate and watch, which no vramshare component watches."""
-    crd: dict[str, Any] = json.loads(json.dumps(reservation_crd))
-    crd["metadata"] = {"name": f"{FLOOR_PLURAL}.{FLOOR_GROUP}"}
-    crd["spec"]["group"] = FLOOR_GROUP
-    crd["spec"]["names"] = {
-        "plural": FLOOR_PLURAL,
-        "singular": "floorbooking",
-        "kind": "FloorBooking",
-        "listKind": "FloorBookingList",
-    }
-    return crd
-
-
-def one_write_app(kubeconfig: str) -> web.Application:
-    """The `one-write` webhook: per pod, create one FloorBooking (named after the pod, as vramshare's
-    booking is) and allow; a watch of every FloorBooking runs beside it, as each vramshare replica
-    watches every booking."""
-    from vramshare.kube.client import Connection, KubeClient
-    from vramshare.kube.watch import WatchCache
-
-    app = web.Application()
-    path = f"/apis/{FLOOR_GROUP}/v1alpha1"
-
-    async def client(app: web.Application) -> Any:
-        async with KubeClient(Connection.load(kubeconfig=kubeconfig)) as kube:
-            app["kube"] = kube
-            seen = WatchCache(kube, f"{path}/{FLOOR_PLURAL}", decode=lambda o: o, name=FLOOR_PLURAL)
-            watching = asyncio.create_task(seen.run())
-            yield
-            watching.cancel()
-
-    async def mutate(request: web.Request) -> web.Response:
-        review = await request.json()
-        req = review["request"]
-        pod = req.get("object") or {}
-        name = (pod.get("metadata") or {}).get("name") or "pod"
-        booking = {
-            "apiVersion": f"{FLOOR_GROUP}/v1alpha1",
-            "kind": "FloorBooking",
-            "metadata": {"generateName": f"{name}-"},
-            "spec": {"podName": name, "memoryMiB": 10},
-        }
-        if not req.get("dryRun"):  # registered NoneOnDryRun, as vramshare is: a dry run books nothing
-            await app["kube"].create(f"{path}/namespaces/{req['namespace']}/{FLOOR_PLURAL}", booking)
-        return web.json_response(
-            {
-                "apiVersion": "admission.k8s.io/v1",
-                "kind": "AdmissionReview",
-                "response": {"uid": req["uid"], "allowed": True},
-            }
-        )
-
-    async def healthz(_: web.Request) -> web.Response:
-        return web.Response(text="ok")
-
-    app.cleanup_ctx.append(client)
     app.router.add_post("/mutate", mutate)
     app.router.add_get("/healthz", healthz)
     return app
@@ -280,9 +208,8 @@ def auth_proxy_app(*, target: str, token: str, header: str) -> web.Application:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="vramshare_e2e.admission_parts")
     parser.add_argument(
-        "mode", choices=["label", "sidecar", "null", "one-write", "delay-proxy", "endpoints", "auth-proxy"]
+        "mode", choices=["label", "sidecar", "null", "delay-proxy", "endpoints", "auth-proxy"]
     )
-    parser.add_argument("--kubeconfig", help="one-write: the API server to book in")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--cert")
     parser.add_argument("--key")
@@ -308,15 +235,22 @@ def main(argv: list[str] | None = None) -> None:
         return
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     context.load_cert_chain(args.cert, args.key)
-    app = one_write_app(args.kubeconfig) if args.mode == "one-write" else webhook_app(args.mode)
-    web.run_app(app, host="127.0.0.1", port=args.port, ssl_context=context, print=None)
+    web.run_app(webhook_app(args.mode), host="127.0.0.1", port=args.port, ssl_context=context, print=None)
 
 
-def _start(cluster: LocalCluster, *, name: str, args: list[str], ready: Callable[[], bool]) -> None:
+def start_part(
+    cluster: LocalCluster,
+    *,
+    name: str,
+    args: list[str],
+    ready: Callable[[], bool],
+    module: str = "vramshare_e2e.admission_parts",
+) -> None:
+    """Run `python -m <module> <args>` as the cluster's component `name`."""
     cluster.add_component(
         Component(
             name=name,
-            argv=[sys.executable, "-m", "vramshare_e2e.admission_parts", *args],
+            argv=[sys.executable, "-m", module, *args],
             log_path=cluster.logs_dir / f"{name}.log",
             ready=ready,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
@@ -332,7 +266,7 @@ def start_mutating_webhook(cluster: LocalCluster, *, mode: str) -> int:
     ctx = ssl.create_default_context()
     ctx.check_hostname = False
     ctx.verify_mode = ssl.CERT_NONE
-    _start(
+    start_part(
         cluster,
         name=f"e2e-{mode}-webhook",
         args=[mode, f"--port={port}", f"--cert={pair.cert_path}", f"--key={pair.key_path}"],
@@ -367,76 +301,10 @@ def start_mutating_webhook(cluster: LocalCluster, *, mode: str) -> int:
     return port
 
 
-def start_one_write_webhooks(
-    cluster: LocalCluster, *, replicas: int = 2, kubeconfig: Path | None = None
-) -> None:
-    """Install the FloorBooking kind and start `replicas` `one-write` webhooks, registered for the
-    namespaces labelled `e2e.vramshare.io/one-write=<replica index>` (each replica its own, as the
-    benchmark's two vramshare replicas each have theirs); they book as `kubeconfig` (the admin's
-    unless given)."""
-    reservation_crd = next(
-        d for d in yaml.safe_load_all((CRDS_DIR / "vramshare.io_gpureservations.yaml").read_text()) if d
-    )
-    cluster.apply_objects([floor_crd(reservation_crd)])
-    cluster.wait_for(
-        lambda: FLOOR_PLURAL in cluster.kubectl("api-resources", f"--api-group={FLOOR_GROUP}", "-o", "name"),
-        what="the FloorBooking kind served",
-        timeout_s=30,
-    )
-    ctx = ssl.create_default_context()
-    ctx.check_hostname = False
-    ctx.verify_mode = ssl.CERT_NONE
-    hooks = []
-    for index in range(replicas):
-        port = free_port()
-        pair = cluster.ca.issue(
-            f"e2e-one-write-{index}", common_name="e2e-one-write", server_ips=("127.0.0.1",)
-        )
-        _start(
-            cluster,
-            name=f"e2e-one-write-{index}",
-            args=[
-                "one-write",
-                f"--port={port}",
-                f"--cert={pair.cert_path}",
-                f"--key={pair.key_path}",
-                f"--kubeconfig={kubeconfig or cluster.kubeconfig}",
-            ],
-            ready=lambda port=port: http_ok(f"https://127.0.0.1:{port}/healthz", context=ctx),  # type: ignore[misc]
-        )
-        hooks.append(
-            {
-                "name": f"one-write-{index}.e2e.vramshare.io",
-                "admissionReviewVersions": ["v1"],
-                # Its write is a side effect, as vramshare's booking is.
-                "sideEffects": "NoneOnDryRun",
-                "failurePolicy": "Fail",
-                "reinvocationPolicy": "Never",
-                "timeoutSeconds": 10,
-                "clientConfig": {
-                    "url": f"https://127.0.0.1:{port}/mutate",
-                    "caBundle": base64.b64encode(cluster.ca.cert_pem).decode(),
-                },
-                "rules": POD_CREATE_RULES,
-                "namespaceSelector": {"matchLabels": {"e2e.vramshare.io/one-write": str(index)}},
-            }
-        )
-    cluster.apply_objects(
-        [
-            {
-                "apiVersion": "admissionregistration.k8s.io/v1",
-                "kind": "MutatingWebhookConfiguration",
-                "metadata": {"name": "zz-e2e-one-write"},
-                "webhooks": hooks,
-            }
-        ]
-    )
-
-
 def start_delay_proxy(cluster: LocalCluster, *, name: str, target: int, delay_s: float) -> int:
     """A proxy to the webhook on `target` that holds its answers back by `delay_s`; returns its port."""
     port = free_port()
-    _start(
+    start_part(
         cluster,
         name=name,
         args=["delay-proxy", f"--port={port}", f"--target={target}", f"--delay-s={delay_s}"],
@@ -450,7 +318,7 @@ def start_auth_proxy(cluster: LocalCluster, *, token: str, header: str) -> int:
     `auth_proxy_app`), with a certificate from the cluster's CA; returns its port."""
     port = free_port()
     pair = cluster.ca.issue("auth-proxy", common_name="auth-proxy", server_ips=("127.0.0.1",))
-    _start(
+    start_part(
         cluster,
         name="e2e-auth-proxy",
         args=[
@@ -471,7 +339,7 @@ def start_endpoints(cluster: LocalCluster, *, backends: list[int]) -> int:
     """A Service's worth of load balancing over the webhook replicas on `backends` (see
     `endpoints_balancer`); returns the port to put in the webhook configuration."""
     port = free_port()
-    _start(
+    start_part(
         cluster,
         name="e2e-endpoints",
         args=["endpoints", f"--port={port}", f"--backends={','.join(map(str, backends))}"],

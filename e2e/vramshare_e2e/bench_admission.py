@@ -1,14 +1,18 @@
 """`make bench-admission`: what vramshare adds to pod creation, against a no-webhook baseline measured
 in the same run on the same API server, and how the pure decision grows with the fleet and the ledger.
 
-1. At each concurrency level (1, 4, 16, 64), create pods four times: plain pods in a namespace no
+1. At each concurrency level (1, 4, 16, 64), create pods five times: plain pods in a namespace no
    webhook sees (the baseline), pods through a null TLS webhook that allows at once (the cost of a
    webhook call itself), pods through two `one-write` webhooks that each make one durable write per
    pod, of a copy of the GpuReservation kind, and watch them all (the floor of any design that books
-   in the API server: `vramshare_e2e.admission_parts`), and annotated pods through two vramshare
+   in the API server), pods through two `pinned` webhooks that do that and pin each pod to a GPU as
+   vramshare does, watching the pods they pinned (the floor of any design that also pins pods and
+   counts from their start: `vramshare_e2e.floor_webhook`), and annotated pods through two vramshare
    replicas (reservations committed). Report p50/p95/p99 create latency and throughput for each,
-   vramshare's ratios against the baseline, the null webhook and the floor, the webhooks' own decision
-   latency, conflict retries, consistent reads, API writes per admission, and peak resident memory.
+   vramshare's ratios against the baseline, the null webhook and both floors, the webhooks' own
+   decision latency, conflict retries, consistent reads, API writes per admission, what each phase
+   cost per pod (API requests; every component's CPU, in all and while the pods were created), and
+   peak resident memory.
 2. Fill the ledger to 10 000 and then 100 000 active reservations and measure pod creation against
    plain pods, the decision, and the webhook's resident memory.
 3. Time `choose()` with headroom as GPUs (8 ... 4096) and active reservations (100 ... 100 000) grow.
@@ -30,7 +34,7 @@ from typing import Any
 from kubernetes import client, config
 from kubernetes.utils import parse_quantity
 
-from vramshare_e2e.admission_parts import FLOOR_PLURAL, start_mutating_webhook, start_one_write_webhooks
+from vramshare_e2e.admission_parts import start_mutating_webhook
 from vramshare_e2e.bench_admission_report import chart, summary
 from vramshare_e2e.bench_decision import decision_curve
 from vramshare_e2e.bench_measure import (
@@ -58,9 +62,12 @@ from vramshare_e2e.components import (
     start_webhook,
     webhook_configuration,
 )
+from vramshare_e2e.floor_webhook import FLOOR_PLURAL, namespace_label, start_floor_webhooks
 
 FLOOR_SPACES = ["floor-a", "floor-b"]
 """The one-write floor's namespaces, one per replica (as vramshare's gpu-a and gpu-b)."""
+PINNED_SPACES = ["pinned-a", "pinned-b"]
+"""The pinned floor's."""
 
 PODS_PER_NODE = 2000
 """Room on each of the two nodes for a level's four phases (4 x 244 pods) and a round of the no-GPU
@@ -125,9 +132,9 @@ def admission(
         registration = webhook_configuration(cluster, ports={"a": ports[0], "b": ports[1]}, as_the_chart=True)
         cluster.apply_objects([registration])
         start_mutating_webhook(cluster, mode="null")
-        start_one_write_webhooks(
-            cluster, kubeconfig=service_account_identity(cluster, account="e2e-one-write")
-        )
+        floor_identity = service_account_identity(cluster, account="e2e-one-write")
+        for mode in ("one-write", "pinned"):
+            start_floor_webhooks(cluster, mode=mode, kubeconfig=floor_identity)
         start_controller(
             cluster,
             name="controller",
@@ -137,8 +144,10 @@ def admission(
         for ns, labels in (
             ("plain", {}),
             ("null", {"e2e.vramshare.io/null": "on"}),
-            ("floor-a", {"e2e.vramshare.io/one-write": "0"}),
-            ("floor-b", {"e2e.vramshare.io/one-write": "1"}),
+            ("floor-a", {namespace_label("one-write"): "0"}),
+            ("floor-b", {namespace_label("one-write"): "1"}),
+            ("pinned-a", {namespace_label("pinned"): "0"}),
+            ("pinned-b", {namespace_label("pinned"): "1"}),
             ("gpu-a", {"vramshare-e2e/shard": "a"}),
             ("gpu-b", {"vramshare-e2e/shard": "b"}),
         ):
@@ -159,17 +168,19 @@ def admission(
         config.load_kube_config(config_file=str(cluster.kubeconfig), client_configuration=client_config)  # type: ignore[no-untyped-call]
         client_config.connection_pool_maxsize = max(levels)
         core = client.CoreV1Api(client.ApiClient(client_config))
-        spaces = ["plain", "null", *FLOOR_SPACES, "gpu-a", "gpu-b"]
+        spaces = ["plain", "null", *FLOOR_SPACES, *PINNED_SPACES, "gpu-a", "gpu-b"]
         # Warm up every path (connections, caches).
         create_pods(core, ["plain"], 4, 2, False, "warm")
         create_pods(core, ["null"], 4, 2, False, "warm")
         create_pods(core, FLOOR_SPACES, 4, 2, False, "warm")
+        create_pods(core, PINNED_SPACES, 4, 2, False, "warm")
         create_pods(core, ["gpu-a", "gpu-b"], 4, 2, True, "warm")
         clean_namespaces(cluster, spaces)
         for level in levels:
             show(
                 f"concurrency {level}: {pods} plain pods, {pods} through a null webhook, {pods} through "
-                f"one-write webhooks (the floor), {pods} GPU pods"
+                f"one-write webhooks (the floor), {pods} through pinning ones (the pinned floor), "
+                f"{pods} GPU pods"
             )
             phases: dict[str, PhaseResult] = {}
             before: dict[str, float] = {}
@@ -177,6 +188,7 @@ def admission(
                 ("baseline", ["plain"], False, "b"),
                 ("null_webhook", ["null"], False, "n"),
                 ("one_write_floor", FLOOR_SPACES, False, "f"),
+                ("pinned_floor", PINNED_SPACES, False, "p"),
                 ("vramshare", ["gpu-a", "gpu-b"], True, "v"),
             ):
                 if case == "vramshare":
@@ -192,9 +204,9 @@ def admission(
                     hold_scheduler=hold_scheduler,
                 )
             after = webhook_metrics(ports)
-            base, null, floor, vs = (
+            base, null, floor, pinned, vs = (
                 latency_stats(phases[case].latencies, phases[case].wall_s)
-                for case in ("baseline", "null_webhook", "one_write_floor", "vramshare")
+                for case in ("baseline", "null_webhook", "one_write_floor", "pinned_floor", "vramshare")
             )
             admitted = pods - phases["vramshare"].errors
             writes = writes_between(before, after)
@@ -202,11 +214,14 @@ def admission(
                 "baseline": base,
                 "null_webhook": null,
                 "one_write_floor": floor,
+                "pinned_floor": pinned,
                 "vramshare": vs,
                 **ratios(vs, base),
                 "against_null_webhook": ratios(vs, null),
                 "floor_vs_baseline": ratios(floor, base),
                 "against_floor": ratios(vs, floor),
+                "against_pinned_floor": ratios(vs, pinned),
+                "pinned_floor_vs_floor": ratios(pinned, floor),
                 "errors": {case: phase.errors for case, phase in phases.items()},
                 "webhook_decision": decision_quantiles(before, after),
                 "webhook_choose": decision_quantiles(before, after, "choose"),

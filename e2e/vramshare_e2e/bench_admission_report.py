@@ -22,11 +22,17 @@ def chart(report: dict[str, Any], path: Path) -> None:
             ("baseline", "plain pod (no webhook called)", "#495057"),
             ("null_webhook", "null webhook (TLS round trip, no work)", "#1971c2"),
             ("one_write_floor", "one-write webhook (the floor: one booking, watched)", "#e8590c"),
+            ("pinned_floor", "pinned floor (one booking, the pod pinned, pods watched)", "#ae3ec9"),
             ("vramshare", "vramshare (decide + commit)", "#2b8a3e"),
         ):
-            ax.plot(
-                x, [report["levels"][lv][case][quantile] for lv in levels], "o-", label=label, color=colour
-            )
+            if all(case in report["levels"][lv] for lv in levels):
+                ax.plot(
+                    x,
+                    [report["levels"][lv][case][quantile] for lv in levels],
+                    "o-",
+                    label=label,
+                    color=colour,
+                )
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xticks(x, [str(v) for v in x])
@@ -70,6 +76,13 @@ def summary(report: dict[str, Any]) -> str:
             f"{f['pods_per_s']:.1f} pods/s ({_ratio_text(r['floor_vs_baseline'])} plain); "
             f"vramshare against it {_ratio_text(r['against_floor'])} (p50 / p99 / throughput)"
         )
+        if "pinned_floor" in r:
+            p = r["pinned_floor"]
+            lines.append(
+                f"      pinned floor: p50 {p['p50_ms']:.1f} ms, p99 {p['p99_ms']:.1f} ms, "
+                f"{p['pods_per_s']:.1f} pods/s ({_ratio_text(r['pinned_floor_vs_floor'])} the floor); "
+                f"vramshare against it {_ratio_text(r['against_pinned_floor'])}"
+            )
         c, w = r["webhook_choose"], r["webhook_commit"]
         lines.append(
             f"      of the answer: choosing p50 <= {c['p50_ms_at_most']:.2f} ms (mean {c['mean_ms']:.2f}), "

@@ -18,6 +18,9 @@ from kubernetes import client
 from vramshare_e2e.cluster import LocalCluster
 
 FLOOR_WEBHOOKS = ("e2e-one-write-0", "e2e-one-write-1")
+"""The one-write floor's two replicas (`floor_webhook.floor_components("one-write")`)."""
+PINNED_WEBHOOKS = ("e2e-pinned-0", "e2e-pinned-1")
+"""The pinned floor's (`floor_webhook.floor_components("pinned")`)."""
 
 
 CPU_OF = (
@@ -29,6 +32,7 @@ CPU_OF = (
     "controller",
     "kwok",
     *FLOOR_WEBHOOKS,
+    *PINNED_WEBHOOKS,
 )
 
 
@@ -235,9 +239,6 @@ def writes_between(before: dict[str, float], after: dict[str, float]) -> dict[st
         if m:
             out[f"{m.group(1)}/{m.group(2)}"] = value - before.get(key, 0.0)
     return out
-
-
-# The one-write floor's two replicas, as start_one_write_webhooks names them.
 
 
 SETTLE_S = 3.0

@@ -76,12 +76,19 @@ def test_admission_smoke(tmp_path: Path) -> None:
     assert set(report["levels"]) == {"1", "4"}
     assert report["scheduler"] == "running"
     floor_cpu_ms: list[float] = []  # the floor webhooks' CPU per pod, at every level
+    pinned_cpu_ms: list[float] = []
     for level in report["levels"].values():
-        for side in ("baseline", "null_webhook", "one_write_floor", "vramshare"):
+        for side in ("baseline", "null_webhook", "one_write_floor", "pinned_floor", "vramshare"):
             s = level[side]
             assert 0 < s["p50_ms"] <= s["p95_ms"] <= s["p99_ms"]
             assert s["pods_per_s"] > 0
-        assert level["errors"] == {"baseline": 0, "null_webhook": 0, "one_write_floor": 0, "vramshare": 0}
+        assert level["errors"] == {
+            "baseline": 0,
+            "null_webhook": 0,
+            "one_write_floor": 0,
+            "pinned_floor": 0,
+            "vramshare": 0,
+        }
         assert level["against_floor"]["ratio_p50"] == round(
             level["vramshare"]["p50_ms"] / level["one_write_floor"]["p50_ms"], 2
         )
@@ -102,7 +109,7 @@ def test_admission_smoke(tmp_path: Path) -> None:
         # created and bound (two posts) and ran before its phase was counted, so none of its work is
         # left to the next phase; only vramshare's pods made reservations (one each, at least).
         cost = level["cost_per_pod"]
-        for case in ("baseline", "null_webhook", "one_write_floor", "vramshare"):
+        for case in ("baseline", "null_webhook", "one_write_floor", "pinned_floor", "vramshare"):
             assert "pods_not_running" not in cost[case], cost[case]
             assert cost[case]["api_requests"]["pods/post"] >= 2, cost[case]
             assert cost[case]["api_requests"]["pods/patch"] >= 1, cost[case]
@@ -122,6 +129,9 @@ def test_admission_smoke(tmp_path: Path) -> None:
         assert cost["one_write_floor"]["api_requests"]["floorbookings/post"] == 1
         assert "gpureservations/post" not in cost["one_write_floor"]["api_requests"]
         floor_cpu_ms += [cost["one_write_floor"]["cpu_ms"][name] for name in bench_measure.FLOOR_WEBHOOKS]
+        # The pinned floor made its one write too, and its pods ran where it pinned them.
+        assert cost["pinned_floor"]["api_requests"]["floorbookings/post"] == 1
+        pinned_cpu_ms += [cost["pinned_floor"]["cpu_ms"][name] for name in bench_measure.PINNED_WEBHOOKS]
         # The webhook's one read per admission: the pod's name (a taken name books nothing).
         assert cost["vramshare"]["api_requests"]["pods/get"] >= 1
         # The controller binds a booking in one status write, once its pod runs (bind_wait_s), now
@@ -134,6 +144,7 @@ def test_admission_smoke(tmp_path: Path) -> None:
         assert "gpureservations/post" not in cost["baseline"]["api_requests"]
         assert cost["vramshare"]["api_requests_total"] > cost["baseline"]["api_requests_total"]
     assert sum(floor_cpu_ms) > 0, floor_cpu_ms
+    assert sum(pinned_cpu_ms) > 0, pinned_cpu_ms
     assert (tmp_path / "admission.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     ng = report["no_gpu"]
     for case in ("no_webhook", "unmanaged", "hidden", "hidden_in_process"):

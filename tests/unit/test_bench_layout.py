@@ -24,6 +24,8 @@ STACK = [
     "webhook-b",
     "e2e-one-write-0",
     "e2e-one-write-1",
+    "e2e-pinned-0",
+    "e2e-pinned-1",
     "controller",
 ]
 
@@ -34,6 +36,8 @@ def test_the_workloads_are_vramshare_and_the_benchmarks_webhooks_not_the_control
         "webhook-b",
         "e2e-one-write-0",
         "e2e-one-write-1",
+        "e2e-pinned-0",
+        "e2e-pinned-1",
         "controller",
     ]
     assert not is_workload("kube-controller-manager")
