@@ -39,6 +39,9 @@ from vramshare_webhook.pod_patch import placement_patch
 
 FLOOR_GROUP = "floor.bench.vramshare.io"
 FLOOR_PLURAL = "floorbookings"
+FLOOR_LABEL = f"{FLOOR_GROUP}/floor"
+"""Which floor made a booking: each floor's replicas watch their own floor's, as vramshare's watch
+vramshare's (not the other floor's as well, which cost each floor's phase the other's watch)."""
 PINNED_LABEL = f"{FLOOR_GROUP}/reservation"
 """The pinned floor's label in place of vramshare's (whose pod watches would take its pods in)."""
 MODES = ("one-write", "pinned")
@@ -84,7 +87,13 @@ def floor_app(*, kubeconfig: str, mode: str, nodes: list[str]) -> web.Applicatio
     async def client(app: web.Application) -> Any:
         async with KubeClient(Connection.load(kubeconfig=kubeconfig)) as kube:
             app["kube"] = kube
-            bookings = WatchCache(kube, f"{path}/{FLOOR_PLURAL}", decode=lambda o: o, name=FLOOR_PLURAL)
+            bookings = WatchCache(
+                kube,
+                f"{path}/{FLOOR_PLURAL}",
+                decode=lambda o: o,
+                label_selector=f"{FLOOR_LABEL}={mode}",
+                name=FLOOR_PLURAL,
+            )
             running = [asyncio.create_task(bookings.run())]
             if mode == "pinned":
                 # As vramshare's replicas keep their GPU pods: decoded into what the accounting needs.
@@ -109,7 +118,7 @@ def floor_app(*, kubeconfig: str, mode: str, nodes: list[str]) -> web.Applicatio
         booking = {
             "apiVersion": f"{FLOOR_GROUP}/v1alpha1",
             "kind": "FloorBooking",
-            "metadata": {"generateName": f"{name}-"},
+            "metadata": {"generateName": f"{name}-", "labels": {FLOOR_LABEL: mode}},
             "spec": {"podName": name, "memoryMiB": 10},
         }
         if not req.get("dryRun"):  # registered NoneOnDryRun, as vramshare is: a dry run books nothing
