@@ -70,12 +70,12 @@ PINNED_SPACES = ["pinned-a", "pinned-b"]
 """The pinned floor's."""
 
 PODS_PER_NODE = 2000
-"""Room on each of the two nodes for a level's four phases (4 x 244 pods) and a round of the no-GPU
+"""Room on each of the two nodes for a level's five phases (5 x 244 pods) and a round of the no-GPU
 cases (4 x 496) at once."""
 
 
 def _room_for_every_phase(cluster: LocalCluster, *, pods: int) -> None:
-    """Let the nodes hold every pod of a level (its four phases and their warm-up) and of a no-GPU
+    """Let the nodes hold every pod of a level (its five phases and their warm-up) and of a no-GPU
     round, so that each phase's pods are scheduled and run. With the test cluster's 250 pods per node,
     the two nodes were full after the plain and null phases, and the later phases' pods stayed
     Pending, unschedulable (until 2026-12-05: vramshare's phase paid a failed scheduling attempt where
