@@ -16,11 +16,12 @@ from typing import Any
 from kubernetes import client
 
 from vramshare_e2e.cluster import LocalCluster
+from vramshare_e2e.floor_webhook import floor_components
 
-FLOOR_WEBHOOKS = ("e2e-one-write-0", "e2e-one-write-1")
-"""The one-write floor's two replicas (`floor_webhook.floor_components("one-write")`)."""
-PINNED_WEBHOOKS = ("e2e-pinned-0", "e2e-pinned-1")
-"""The pinned floor's (`floor_webhook.floor_components("pinned")`)."""
+FLOOR_WEBHOOKS = floor_components("one-write")
+"""The one-write floor's two replicas."""
+PINNED_WEBHOOKS = floor_components("pinned")
+"""The pinned floor's."""
 
 
 CPU_OF = (

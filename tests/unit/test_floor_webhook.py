@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from vramshare.kube.resources import LABEL_RESERVATION
-from vramshare_e2e.bench_measure import FLOOR_WEBHOOKS, PINNED_WEBHOOKS
-from vramshare_e2e.floor_webhook import PINNED_LABEL, floor_components, main, pin_patch
+from vramshare_e2e.bench_measure import CPU_OF, FLOOR_WEBHOOKS, PINNED_WEBHOOKS, is_workload
+from vramshare_e2e.floor_webhook import PINNED_LABEL, main, pin_patch
 from vramshare_webhook.pod import Placement
 from vramshare_webhook.pod_patch import placement_patch
 
@@ -53,8 +53,10 @@ def test_the_pinned_floor_patches_as_vramshare_does_but_for_the_label() -> None:
 
 
 def test_the_floors_replicas_are_the_components_whose_cpu_the_benchmark_counts() -> None:
-    assert floor_components("one-write") == FLOOR_WEBHOOKS
-    assert floor_components("pinned") == PINNED_WEBHOOKS
+    assert FLOOR_WEBHOOKS == ("e2e-one-write-0", "e2e-one-write-1")
+    assert PINNED_WEBHOOKS == ("e2e-pinned-0", "e2e-pinned-1")
+    assert set(FLOOR_WEBHOOKS + PINNED_WEBHOOKS) <= set(CPU_OF)
+    assert all(is_workload(name) for name in FLOOR_WEBHOOKS + PINNED_WEBHOOKS)  # --split-cores
 
 
 def test_a_pinned_floor_without_nodes_is_refused_by_name(capsys: pytest.CaptureFixture[str]) -> None:
