@@ -33,7 +33,7 @@ from vramshare.domain.freshness import InventoryHeartbeat
 from vramshare.kube.client import Connection, KubeClient, Obj
 from vramshare.kube.heartbeat import ANNOTATION_HEARTBEAT, encode
 from vramshare.kube.lease_watch import HeartbeatSource, logged_heartbeat
-from vramshare.kube.ledger import KubeLedger
+from vramshare.kube.ledger import FollowedStreams, KubeLedger
 from vramshare.kube.objects import GpuReservation
 from vramshare.prometheus import DcgmSource
 from vramshare.settings import SettingsError
@@ -121,6 +121,8 @@ async def run(settings: ControllerSettings) -> None:
                         heartbeat=HeartbeatSource(partial(newest_heartbeat, inventory, elector)),
                         # Its bookings counted from their pods' starts, from the state's pod watch.
                         pods=state.pods_by_label,
+                        # Its devices and bookings from the state's streams: one watch of each kind.
+                        follow=FollowedStreams(devices=state.devices, reservations=state.reservations),
                     )
                     pools = (
                         PoolSync(

@@ -5,6 +5,10 @@ Caches lag the API server by the time an event takes to arrive. That is harmless
 writes with preconditions or compares before writing; the two conclusions that a lagging cache could
 get wrong ("its pod is gone", "its pod never appeared") are confirmed with a direct read before they
 are acted on (see ReservationReconciler).
+
+The queue's ledger keeps its own copies of the GpuDevices and the active GpuReservations (with its own
+decisions put in), fed by these streams (`vramshare.kube.ledger.FollowedStreams`): one watch of each
+kind for the whole controller, each event decoded once.
 """
 
 from __future__ import annotations

@@ -4,21 +4,32 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
+import pytest
 import pytest_asyncio
 
 from tests.unit.domain.builders import NOW
 from tests.unit.fake_kube import FakeKube
-from tests.unit.kube.ledger_harness import cluster, fed
+from tests.unit.kube.ledger_harness import cluster, fed, streams_of
 from vramshare.domain import Accounting, has_room_for_its_bookings
 from vramshare.kube.ledger import KubeLedger
 
 
-@pytest_asyncio.fixture(loop_scope="function")  # the test's own loop, so the watch runs during it
-async def running() -> AsyncIterator[tuple[FakeKube, KubeLedger]]:
-    """A ledger whose watch caches are fed from the fake API server."""
+@pytest_asyncio.fixture(
+    loop_scope="function",  # the test's own loop, so the watch runs during it
+    params=["own streams", "following the controller's streams"],
+)
+async def running(request: pytest.FixtureRequest) -> AsyncIterator[tuple[FakeKube, KubeLedger]]:
+    """A ledger whose watch caches are fed from the fake API server: by streams of its own (the
+    webhook's), or following the streams the controller's state keeps (its queue's ledger)."""
     kube = await cluster()
-    async with fed(KubeLedger(kube)) as ledger:  # type: ignore[arg-type]
-        yield kube, ledger
+    if request.param == "own streams":
+        async with fed(KubeLedger(kube)) as ledger:  # type: ignore[arg-type]
+            yield kube, ledger
+    else:
+        streams = streams_of(kube)
+        following = KubeLedger(kube, follow=streams)  # type: ignore[arg-type]
+        async with fed(following, streams.devices, streams.reservations) as ledger:
+            yield kube, ledger
 
 
 @pytest_asyncio.fixture(loop_scope="function")

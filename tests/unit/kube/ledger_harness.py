@@ -6,13 +6,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
+from typing import Any
 
 from tests.unit.domain.builders import gpu
 from tests.unit.fake_kube import FakeKube, add_idle_gpu
 from vramshare.domain.snapshot import Snapshot
-from vramshare.kube.ledger import KubeLedger
-from vramshare.kube.objects import GpuReservation
+from vramshare.kube.ledger import FollowedStreams, KubeLedger
+from vramshare.kube.objects import GpuDevice, GpuReservation
 from vramshare.kube.resources import ANNOTATION_LEDGER, devices_path, reservations_path
+from vramshare.kube.watch import WatchCache
 
 GPU = gpu("GPU-a", total=16_384)
 DEVICE = devices_path("gpu-a")
@@ -50,14 +52,29 @@ def lists(kube: FakeKube) -> int:
 
 
 @contextlib.asynccontextmanager
-async def fed(ledger: KubeLedger) -> AsyncIterator[KubeLedger]:
-    task = asyncio.create_task(ledger.run())
+async def fed(ledger: KubeLedger, *streams: WatchCache[Any]) -> AsyncIterator[KubeLedger]:
+    """`ledger` running, and the `streams` its view follows (`FollowedStreams`), if any."""
+    tasks = [asyncio.create_task(c.run()) for c in (ledger, *streams)]
     await asyncio.wait_for(ledger.devices.synced.wait(), 2)
     await asyncio.wait_for(ledger.reservations.synced.wait(), 2)
     yield ledger
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
+    for task in tasks:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+def streams_of(kube: FakeKube) -> FollowedStreams:
+    """The streams the controller's state keeps (every GpuDevice, every GpuReservation), for a ledger
+    to follow as the controller's queue does."""
+    return FollowedStreams(
+        devices=WatchCache(kube, devices_path(), decode=GpuDevice.from_wire),  # type: ignore[arg-type]
+        reservations=WatchCache(
+            kube,  # type: ignore[arg-type]
+            reservations_path(),
+            decode=GpuReservation.from_wire,
+        ),
+    )
 
 
 async def settle() -> None:

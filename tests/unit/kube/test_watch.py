@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
+import pytest
+
 from tests.unit.fake_kube import FakeKube
 from vramshare.kube.client import ApiError, Obj
 from vramshare.kube.watch import WatchCache
@@ -89,6 +91,106 @@ async def test_the_echo_of_this_processs_own_write_is_not_decoded_or_told_again(
         changed = await kube.merge_patch(f"{PATH}/mine", {"metadata": {"labels": {"a": "b"}}})
         assert await cache.wait_for(kube.version, timeout_s=2)
         assert cache.items["/mine"] == f"mine@{changed['metadata']['resourceVersion']}"
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+async def test_a_following_cache_is_fed_by_one_stream_decoded_once() -> None:
+    """The controller's state and its queue's ledger keep the same objects in two forms: the second
+    copy follows the first's stream (one list, one watch, each event decoded once), converted, with
+    what its conversion leaves out absent (as a label selector's watch would say DELETED)."""
+    kube = FakeKube()
+    await kube.create(PATH, {"metadata": {"name": "a", "labels": {"active": "true"}}})
+    decoded: list[str] = []
+
+    def decode(obj: Obj) -> Obj:
+        decoded.append(name(obj))
+        return obj
+
+    source: WatchCache[Obj] = WatchCache(kube, PATH, decode=decode)  # type: ignore[arg-type]
+    copy: WatchCache[str] = WatchCache.following(
+        source, convert=lambda o: name(o) if o["metadata"]["labels"].get("active") == "true" else None
+    )
+    told: list[tuple[str, str | None]] = []
+    copy.on_change(lambda key, item, _before: told.append((key, item)))
+    copy_run = asyncio.create_task(copy.run())
+    task = asyncio.create_task(source.run())
+    try:
+        await asyncio.wait_for(copy.synced.wait(), 2)
+        assert copy.items == {"/a": "a"}
+        await kube.create(PATH, {"metadata": {"name": "b", "labels": {"active": "false"}}})
+        await kube.merge_patch(f"{PATH}/a", {"metadata": {"labels": {"active": "false"}}})
+        await kube.merge_patch(f"{PATH}/b", {"metadata": {"labels": {"active": "true"}}})
+        await kube.delete(f"{PATH}/b")
+        assert await copy.wait_for(kube.version, timeout_s=2)
+        assert copy.resource_version == source.resource_version == kube.version
+        assert told == [("/a", "a"), ("/a", None), ("/b", "b"), ("/b", None)]
+        assert copy.items == {}
+        assert set(source.items) == {"/a"}
+        assert decoded == ["a", "b", "a", "b"]  # once per object state, for both copies
+        assert [op for op, _ in kube.calls if op in ("list", "watch")] == ["list", "watch"]
+        assert not copy_run.done()  # it waits for the source's stream; it has none of its own
+    finally:
+        for t in (task, copy_run):
+            t.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+
+
+async def test_a_following_caches_own_writes_stay_its_own_and_survive_a_relist() -> None:
+    """Each copy applies the stream by the rules of its own items: a decision the follower put (not
+    created yet) stays across the source's relist after 410 Gone; an event older than the follower's
+    own write of an object does not replace it, though the source takes it; the source's own writes
+    are not the follower's until their events come."""
+    kube = FakeKube()
+    await kube.create(PATH, {"metadata": {"name": "mine"}})
+    gone = [ApiError(status=410, reason="Gone", message="too old resource version")]
+    kube.fail = lambda op, path: gone.pop(0) if op == "watch" and gone else None
+    source: WatchCache[str] = WatchCache(
+        kube, PATH, decode=lambda o: f"{name(o)}@{o['metadata']['resourceVersion']}"
+    )
+    copy: WatchCache[str] = WatchCache.following(source, convert=lambda item: item)
+    copy.put("/decided", "decided")  # this process's decision, its object not created yet
+    task = asyncio.create_task(source.run())
+    try:
+        await asyncio.wait_for(source.synced.wait(), 2)
+        async with asyncio.timeout(2):
+            # The relist (its first watch answered 410) has no event of its own to wait on.
+            while source.relists == 0 or not source.streaming:  # noqa: ASYNC110
+                await asyncio.sleep(0.01)
+        assert copy.items == {"/decided": "decided", "/mine": "mine@1"}
+        # Two writes before the stream brings either; the copy wrote the second itself.
+        await kube.merge_patch(f"{PATH}/mine", {"metadata": {"labels": {"a": "b"}}})
+        newer = await kube.merge_patch(f"{PATH}/mine", {"metadata": {"labels": {"a": "c"}}})
+        copy.put("/mine", "mine (own write)", resource_version=newer["metadata"]["resourceVersion"])
+        source.put("/theirs", "theirs (the source's decision)")
+        assert "/theirs" not in copy.items
+        assert await copy.wait_for(kube.version, timeout_s=2)
+        assert copy.items["/mine"] == "mine (own write)"
+        assert (copy.stale_events, copy.echoes) == (1, 1)
+        assert source.items["/mine"] == f"mine@{newer['metadata']['resourceVersion']}"
+        assert copy.items["/decided"] == "decided"
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+async def test_a_cache_is_followed_from_its_first_list_and_keeps_the_streams_version() -> None:
+    kube = FakeKube()
+    source: WatchCache[str] = WatchCache(kube, PATH, decode=name)  # type: ignore[arg-type]
+    copy: WatchCache[str] = WatchCache.following(source, convert=lambda item: item)
+    with pytest.raises(RuntimeError, match="follows"):
+        copy.resource_version = 7
+    with pytest.raises(ValueError, match="not a follower"):
+        WatchCache.following(copy, convert=lambda item: item)
+    task = asyncio.create_task(source.run())
+    try:
+        await asyncio.wait_for(source.synced.wait(), 2)
+        with pytest.raises(ValueError, match="followed before it lists"):
+            WatchCache.following(source, convert=lambda item: item)
     finally:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):

@@ -11,11 +11,11 @@ One object, `KubeLedger`, in four rooms:
 from vramshare.kube.ledger.commit import CommitProtocol
 from vramshare.kube.ledger.lookups import LedgerLookups
 from vramshare.kube.ledger.queue import QueueWrites
-from vramshare.kube.ledger.view import ACTIVE, LedgerView, last_commit_version
+from vramshare.kube.ledger.view import ACTIVE, FollowedStreams, LedgerView, last_commit_version
 
 
 class KubeLedger(LedgerLookups, QueueWrites):
     """The reservation ledger: its view, commits, look-ups and queue writes."""
 
 
-__all__ = ["ACTIVE", "CommitProtocol", "KubeLedger", "LedgerView", "last_commit_version"]
+__all__ = ["ACTIVE", "CommitProtocol", "FollowedStreams", "KubeLedger", "LedgerView", "last_commit_version"]

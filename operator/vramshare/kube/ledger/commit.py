@@ -62,7 +62,13 @@ from vramshare.domain.snapshot import CommitConflictError
 from vramshare.kube.client import ApiError, KubeClient, Obj
 from vramshare.kube.lease_watch import HeartbeatSource
 from vramshare.kube.ledger.grants import Grants, HeldGrant, may_take
-from vramshare.kube.ledger.view import LedgerView, _reservation_key, _version_of, last_commit_version
+from vramshare.kube.ledger.view import (
+    FollowedStreams,
+    LedgerView,
+    _reservation_key,
+    _version_of,
+    last_commit_version,
+)
 from vramshare.kube.ledger.writes import label_committed
 from vramshare.kube.ledger.writes import withdraw as withdraw_booking
 from vramshare.kube.objects import GpuDevice, GpuReservation
@@ -115,6 +121,7 @@ class CommitProtocol(LedgerView):
         heartbeat: HeartbeatSource | None = None,
         watch_pods: bool = False,
         pods: PodsByLabel | None = None,
+        follow: FollowedStreams | None = None,
     ) -> None:
         super().__init__(
             kube,
@@ -124,6 +131,7 @@ class CommitProtocol(LedgerView):
             heartbeat=heartbeat,
             watch_pods=watch_pods,
             pods=pods,
+            follow=follow,
         )
         self.has_room = has_room
         """Whether a GPU has room for everything booked on it in the index (the domain's

@@ -115,6 +115,27 @@ def _reservation_key(namespace: str, name: str) -> str:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class FollowedStreams:
+    """Watch caches of every GpuDevice and every GpuReservation a process keeps already (the
+    controller's state): a view given them follows their streams (`WatchCache.following`) instead of
+    opening two of its own, so each event is received and decoded once in that process. Its copies
+    keep the view's rules: the active bookings only (as its own stream's label selector), and its own
+    decisions put in."""
+
+    devices: WatchCache[GpuDevice]
+    reservations: WatchCache[GpuReservation]
+
+
+def _same(device: GpuDevice) -> GpuDevice:
+    return device
+
+
+def _active_booking(reservation: GpuReservation) -> Reservation | None:
+    """What the view's own stream (label selector `ACTIVE`) would hold of `reservation`."""
+    return reservation.to_domain() if reservation.labelled_active else None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class _DeviceView:
     """One GpuDevice as the live view needs it."""
 
@@ -139,6 +160,7 @@ class LedgerView:
         heartbeat: HeartbeatSource | None = None,
         watch_pods: bool = False,
         pods: PodsByLabel | None = None,
+        follow: FollowedStreams | None = None,
     ) -> None:
         self.kube = kube
         self.heartbeat = heartbeat
@@ -148,16 +170,22 @@ class LedgerView:
         self.on_write = on_write
         """Told of every write (resource, verb), so the webhook can count API writes per admission."""
         self.on_consistent_read = on_consistent_read
-        self.devices: WatchCache[GpuDevice] = WatchCache(
-            kube, devices_path(), decode=GpuDevice.from_wire, name="gpudevices"
-        )
-        self.reservations: WatchCache[Reservation] = WatchCache(
-            kube,
-            reservations_path(),
-            decode=lambda o: GpuReservation.from_wire(o).to_domain(),
-            label_selector=ACTIVE,
-            name="gpureservations",
-        )
+        self.devices: WatchCache[GpuDevice]
+        self.reservations: WatchCache[Reservation]
+        if follow is None:
+            self.devices = WatchCache(kube, devices_path(), decode=GpuDevice.from_wire, name="gpudevices")
+            self.reservations = WatchCache(
+                kube,
+                reservations_path(),
+                decode=lambda o: GpuReservation.from_wire(o).to_domain(),
+                label_selector=ACTIVE,
+                name="gpureservations",
+            )
+        else:
+            self.devices = WatchCache.following(follow.devices, convert=_same, name="gpudevices (ledger)")
+            self.reservations = WatchCache.following(
+                follow.reservations, convert=_active_booking, name="gpureservations (ledger)"
+            )
         self.pods: WatchCache[LabelledPod] | None = None
         """The pods carrying vramshare's reservation label (`watch_pods`), by namespace/name."""
         self.pods_by_label = pods
