@@ -119,3 +119,74 @@ async def test_a_relist_after_410_keeps_own_decisions_and_newer_writes(
     assert "default/decided-not-created" not in cache.items
     for n in (listed_name, newer_name):
         await kube.delete(f"{PATH}/{n}")
+
+
+def active_step(obj: Obj) -> str | None:
+    """A follower's conversion: the step of a ConfigMap not labelled inactive (as `active!=false`)."""
+    return step(obj) if (obj["metadata"].get("labels") or {}).get("active") != "false" else None
+
+
+async def test_a_following_cache_holds_what_a_stream_of_its_own_would_across_a_relist(
+    kube: KubeClient, cluster: LocalCluster
+) -> None:
+    """The controller's queue ledger follows its state's stream instead of a label-selected stream of
+    its own (issue #45). Checked against the API server's own selector: through creation, a label
+    that takes an object out, deletion and a relist after 410 Gone, the follower holds what a cache
+    with the selector holds, plus its own decision not created yet."""
+    tag = uuid.uuid4().hex[:8]
+    source: WatchCache[Obj] = WatchCache(kube, PATH, decode=lambda o: o)
+    follower: WatchCache[str] = WatchCache.following(source, convert=active_step)
+    selected: WatchCache[str] = WatchCache(kube, PATH, decode=step, label_selector="active!=false")
+
+    def same() -> bool:
+        mine = {k: v for k, v in follower.items.items() if tag in k}
+        theirs = {k: v for k, v in selected.items.items() if tag in k}
+        return mine == {**theirs, f"default/decided-{tag}": "pending"}
+
+    async def write(made: Obj) -> None:
+        """Wait for the write in the source; the selected stream gets no event for an object outside
+        its selector (its version does not move), so it is given until its items agree."""
+        assert await source.wait_for(version(made), timeout_s=10)
+        assert follower.resource_version == source.resource_version
+        for _ in range(100):
+            if same():
+                return
+            await asyncio.sleep(0.05)
+        raise AssertionError((follower.items, selected.items))
+
+    follower.put(f"default/decided-{tag}", "pending")
+    async with running(source), running(selected), running(follower):
+        await asyncio.wait_for(source.synced.wait(), 10)
+        await asyncio.wait_for(selected.synced.wait(), 10)
+        await write(await kube.create(PATH, {"metadata": {"name": f"a-{tag}"}, "data": {"step": "1"}}))
+        labelled = {"name": f"b-{tag}", "labels": {"active": "false"}}
+        await write(await kube.create(PATH, {"metadata": labelled, "data": {"step": "1"}}))
+        assert same(), (follower.items, selected.items)
+        assert f"default/a-{tag}" in follower.items
+        assert f"default/b-{tag}" not in follower.items
+        assert f"default/b-{tag}" in source.items
+        await write(await kube.merge_patch(f"{PATH}/a-{tag}", {"metadata": {"labels": {"active": "false"}}}))
+        await write(await kube.merge_patch(f"{PATH}/b-{tag}", {"metadata": {"labels": {"active": "true"}}}))
+        assert same(), (follower.items, selected.items)
+        assert f"default/a-{tag}" not in follower.items
+        assert follower.items[f"default/b-{tag}"] == "1"
+    # The API server restarts while nobody watches: resuming from the old resourceVersion gets 410.
+    newer = await kube.create(PATH, {"metadata": {"name": f"c-{tag}"}, "data": {"step": "1"}})
+    await kube.delete(f"{PATH}/b-{tag}")
+    cluster.stop_component("kube-apiserver")
+    cluster.start_component("kube-apiserver")
+    relists = source.relists
+    async with running(source), running(selected), running(follower):
+        for _ in range(200):
+            if source.relists > relists and source.synced.is_set() and selected.synced.is_set():
+                break
+            await asyncio.sleep(0.05)
+        assert source.relists == relists + 1
+        assert await source.wait_for(version(newer), timeout_s=10)
+        assert await selected.wait_for(version(newer), timeout_s=10)
+        assert same(), (follower.items, selected.items)
+        assert follower.items[f"default/c-{tag}"] == "1"
+        assert f"default/b-{tag}" not in follower.items
+        assert follower.items[f"default/decided-{tag}"] == "pending"  # kept: the list cannot know it
+    for n in ("a", "c"):
+        await kube.delete(f"{PATH}/{n}-{tag}")
