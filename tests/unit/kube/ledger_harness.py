@@ -10,9 +10,10 @@ from typing import Any
 
 from tests.unit.domain.builders import gpu
 from tests.unit.fake_kube import FakeKube, add_idle_gpu
+from vramshare.controller.state import ClusterState
 from vramshare.domain.snapshot import Snapshot
 from vramshare.kube.ledger import FollowedStreams, KubeLedger
-from vramshare.kube.objects import GpuDevice, GpuReservation
+from vramshare.kube.objects import GpuReservation
 from vramshare.kube.resources import ANNOTATION_LEDGER, devices_path, reservations_path
 from vramshare.kube.watch import WatchCache
 
@@ -65,16 +66,10 @@ async def fed(ledger: KubeLedger, *streams: WatchCache[Any]) -> AsyncIterator[Ku
 
 
 def streams_of(kube: FakeKube) -> FollowedStreams:
-    """The streams the controller's state keeps (every GpuDevice, every GpuReservation), for a ledger
-    to follow as the controller's queue does."""
-    return FollowedStreams(
-        devices=WatchCache(kube, devices_path(), decode=GpuDevice.from_wire),  # type: ignore[arg-type]
-        reservations=WatchCache(
-            kube,  # type: ignore[arg-type]
-            reservations_path(),
-            decode=GpuReservation.from_wire,
-        ),
-    )
+    """The controller state's GpuDevice and GpuReservation streams, for a ledger to follow as the
+    controller's queue does."""
+    state = ClusterState(kube)  # type: ignore[arg-type]
+    return FollowedStreams(devices=state.devices, reservations=state.reservations)
 
 
 async def settle() -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 
@@ -18,12 +20,23 @@ def name(obj: Obj) -> str:
     return str(obj["metadata"]["name"])
 
 
+@contextlib.asynccontextmanager
+async def running(cache: WatchCache[Any]) -> AsyncIterator[asyncio.Task[None]]:
+    """`cache.run()` as a task for the block, cancelled after it."""
+    task = asyncio.create_task(cache.run())
+    try:
+        yield task
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
 async def test_list_then_follow_the_stream() -> None:
     kube = FakeKube()
     await kube.create(PATH, {"metadata": {"name": "a"}})
     cache: WatchCache[str] = WatchCache(kube, PATH, decode=name)  # type: ignore[arg-type]
-    task = asyncio.create_task(cache.run())
-    try:
+    async with running(cache):
         await asyncio.wait_for(cache.synced.wait(), 2)
         assert set(cache.items.values()) == {"a"}
         await kube.create(PATH, {"metadata": {"name": "b"}})
@@ -31,10 +44,6 @@ async def test_list_then_follow_the_stream() -> None:
         assert await cache.wait_for(kube.version, timeout_s=2)
         assert set(cache.items.values()) == {"b"}
         assert cache.streaming
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
 
 
 async def test_a_broken_stream_resumes_and_a_410_lists_again() -> None:
@@ -50,18 +59,13 @@ async def test_a_broken_stream_resumes_and_a_410_lists_again() -> None:
 
     kube.fail = flaky
     cache: WatchCache[str] = WatchCache(kube, PATH, decode=name)  # type: ignore[arg-type]
-    task = asyncio.create_task(cache.run())
-    try:
+    async with running(cache):
         await asyncio.wait_for(cache.synced.wait(), 2)
         await kube.create(PATH, {"metadata": {"name": "b"}})
         assert await cache.wait_for(kube.version, timeout_s=3)
         assert set(cache.items.values()) == {"a", "b"}
         assert cache.relists == 1
         assert sum(op == "list" for op, _ in kube.calls) == 2  # the first list, and the one after 410
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
 
 
 async def test_the_echo_of_this_processs_own_write_is_not_decoded_or_told_again() -> None:
@@ -78,8 +82,7 @@ async def test_the_echo_of_this_processs_own_write_is_not_decoded_or_told_again(
     cache: WatchCache[str] = WatchCache(kube, PATH, decode=decode)  # type: ignore[arg-type]
     told: list[str | None] = []
     cache.on_change(lambda _key, item, _before: told.append(item))
-    task = asyncio.create_task(cache.run())
-    try:
+    async with running(cache):
         await asyncio.wait_for(cache.synced.wait(), 2)
         written = await kube.create(PATH, {"metadata": {"name": "mine"}})
         version = written["metadata"]["resourceVersion"]
@@ -91,10 +94,6 @@ async def test_the_echo_of_this_processs_own_write_is_not_decoded_or_told_again(
         changed = await kube.merge_patch(f"{PATH}/mine", {"metadata": {"labels": {"a": "b"}}})
         assert await cache.wait_for(kube.version, timeout_s=2)
         assert cache.items["/mine"] == f"mine@{changed['metadata']['resourceVersion']}"
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
 
 
 async def test_a_following_cache_is_fed_by_one_stream_decoded_once() -> None:
@@ -115,9 +114,7 @@ async def test_a_following_cache_is_fed_by_one_stream_decoded_once() -> None:
     )
     told: list[tuple[str, str | None]] = []
     copy.on_change(lambda key, item, _before: told.append((key, item)))
-    copy_run = asyncio.create_task(copy.run())
-    task = asyncio.create_task(source.run())
-    try:
+    async with running(copy) as copy_run, running(source):
         await asyncio.wait_for(copy.synced.wait(), 2)
         assert copy.items == {"/a": "a"}
         await kube.create(PATH, {"metadata": {"name": "b", "labels": {"active": "false"}}})
@@ -132,11 +129,6 @@ async def test_a_following_cache_is_fed_by_one_stream_decoded_once() -> None:
         assert decoded == ["a", "b", "a", "b"]  # once per object state, for both copies
         assert [op for op, _ in kube.calls if op in ("list", "watch")] == ["list", "watch"]
         assert not copy_run.done()  # it waits for the source's stream; it has none of its own
-    finally:
-        for t in (task, copy_run):
-            t.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
 
 
 async def test_a_following_caches_own_writes_stay_its_own_and_survive_a_relist() -> None:
@@ -153,8 +145,7 @@ async def test_a_following_caches_own_writes_stay_its_own_and_survive_a_relist()
     )
     copy: WatchCache[str] = WatchCache.following(source, convert=lambda item: item)
     copy.put("/decided", "decided")  # this process's decision, its object not created yet
-    task = asyncio.create_task(source.run())
-    try:
+    async with running(source):
         await asyncio.wait_for(source.synced.wait(), 2)
         async with asyncio.timeout(2):
             # The relist (its first watch answered 410) has no event of its own to wait on.
@@ -172,10 +163,6 @@ async def test_a_following_caches_own_writes_stay_its_own_and_survive_a_relist()
         assert (copy.stale_events, copy.echoes) == (1, 1)
         assert source.items["/mine"] == f"mine@{newer['metadata']['resourceVersion']}"
         assert copy.items["/decided"] == "decided"
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
 
 
 async def test_a_cache_is_followed_from_its_first_list_and_keeps_the_streams_version() -> None:
@@ -186,12 +173,7 @@ async def test_a_cache_is_followed_from_its_first_list_and_keeps_the_streams_ver
         copy.resource_version = 7
     with pytest.raises(ValueError, match="not a follower"):
         WatchCache.following(copy, convert=lambda item: item)
-    task = asyncio.create_task(source.run())
-    try:
+    async with running(source):
         await asyncio.wait_for(source.synced.wait(), 2)
         with pytest.raises(ValueError, match="followed before it lists"):
             WatchCache.following(source, convert=lambda item: item)
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
